@@ -1,0 +1,35 @@
+# Set-up and test entry points (see README). Works on a machine with only Python 3.11, pip and make.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# torch first, pinned, so pip takes the CPU wheel lying on this machine instead of a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test test-slow sandbox-deps
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,postgres]"
+	@$(MAKE) -s sandbox-deps
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# bubblewrap isolates sandboxed tool calls; installed where we can, reported clearly where we cannot.
+sandbox-deps:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "postrain: could not install bubblewrap; sandbox isolation tests will be skipped"; \
+	  else echo "postrain: bubblewrap (bwrap) not found and not root: install it (apt-get install bubblewrap) for sandbox isolation"; fi; }
+
+run: $(STAMP)
+	$(BIN)/postrain job --name default
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow

@@ -1,0 +1,1 @@
+"""bench: benchmarks; each prints one JSON object and compares against a baseline in the same run."""

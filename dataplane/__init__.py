@@ -1,0 +1,2 @@
+"""dataplane: catalog (SQLite / PostgreSQL), Arrow heavy-field store, metadata-only planner,
+streaming loader. (Comes with the data-plane issue.)"""

@@ -1,0 +1,65 @@
+"""The `postrain` command. Each verb is a module in `deploy/commands/` exposing NAME, HELP,
+`add_arguments(parser)` and `run(args) -> int`; those modules import only argparse-level things at top
+level so that `postrain --help` stays instant, and do their heavy imports inside `run`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+import traceback
+
+from deploy import commands
+
+
+def _verb_modules():
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):
+            yield importlib.import_module(f"deploy.commands.{info.name}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="postrain",
+        description="Agentic RL post-training: SFT -> specialist GRPO -> multi-teacher on-policy distillation.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub.required = True
+    for mod in _verb_modules():
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    from deploy.errors import UserError
+
+    if isinstance(exc, UserError):
+        return str(exc)
+    if isinstance(exc, KeyError) and type(exc) is not KeyError:  # e.g. rewards.UnknownDomain
+        return str(exc)
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return f"{exc.strerror}: {exc.filename}"
+    return f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args._run(args)
+    except KeyboardInterrupt:
+        print("postrain: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # operating errors: one line, unless --debug
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"postrain {args.verb}: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per `postrain` verb (see deploy/cli.py for the contract)."""

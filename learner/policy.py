@@ -1,0 +1,55 @@
+"""Policy construction and loading: a tiny HF causal LM from config, or any HF checkpoint directory.
+
+Every component loads a policy the same way (`load_policy(dir)`), so a real model drops in unchanged.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, Qwen2Config
+
+from deploy.errors import UserError
+from learner.config import PolicyConfig
+from learner.tokenizer import char_tokenizer
+
+
+def build_policy(cfg: PolicyConfig) -> tuple[PreTrainedModel, object]:
+    """A freshly initialised model of `cfg` and the char tokenizer."""
+    if cfg.hidden_size % cfg.num_heads or cfg.num_heads % cfg.num_kv_heads:
+        raise UserError(f"policy: hidden_size {cfg.hidden_size} must divide by num_heads {cfg.num_heads}, "
+                        f"and num_heads by num_kv_heads {cfg.num_kv_heads}")
+    tok = char_tokenizer()
+    common = dict(
+        vocab_size=len(tok), hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size, max_position_embeddings=cfg.max_positions,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+        tie_word_embeddings=True, rope_theta=10000.0,
+    )
+    hf_cfg = Qwen2Config(**common) if cfg.arch == "qwen2" else LlamaConfig(**common)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+    return model, tok
+
+
+def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, object]:
+    """Model and tokenizer from an HF checkpoint directory (safetensors)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise UserError(f"no HF checkpoint at {path} (config.json missing); pass a directory written by "
+                        "`postrain sft` or `save_pretrained`")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok
+
+
+def save_policy(model: PreTrainedModel, tok, path: str | Path) -> Path:
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
