@@ -1,0 +1,284 @@
+"""The inference engine: any HF causal LM, a slot KV cache, batched decode, deterministic sampling.
+
+Requests join and leave a running batch (each owns a KV slot). One `step()` feeds every running
+request its pending tokens and draws its next token; the caller makes the draws durable and only
+then `accept()`s them, so nothing downstream sees a token that is not committed.
+
+Feeding rule (the same in every path, so a replay reproduces the computation): the pending tokens
+of a request are fed as a block of all but the last, then the last alone as a decode row. A token's
+KV is therefore always computed the same way whether it came from decode steps or a replay.
+
+`strict=True` runs every forward with one row (batch size 1) and replays resumed prefixes decode
+point by decode point, so a sequence's logits are bit-identical whatever shares its batch and
+however its KV was rebuilt. The fast path batches decode rows and re-prefills in one block; its
+agreement with strict is measured (`tests/rollout/test_engine.py`, `bench/rollout.py`).
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass, field
+
+import google_crc32c
+import torch
+
+from rollout.kvcache import SlotKV
+from rollout.sampling import SamplingParams, sample, traj_key, uniform
+
+
+@dataclass
+class Draw:
+    """One sampled token, not yet committed."""
+
+    req_id: str
+    position: int
+    token: int
+    logprob: float
+
+
+@dataclass
+class Seq:
+    req_id: str
+    key: int
+    tokens: list[int]
+    sampled: list[bool]  # False: prompt or environment token (loss-masked)
+    params: SamplingParams
+    slot: int
+    kv_len: int = 0  # tokens whose K/V sit in the slot
+    turn_start: int = 0  # where the current sampling turn began (stop strings look from here)
+    state: str = "run"  # run | paused (stop string: the environment answers) | done
+    reason: str = ""
+    n_sampled: int = 0
+    last_step_draws: int = field(default=0, repr=False)
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Architecture + every parameter's bytes, hashed: a KV snapshot is valid only for these weights."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    for name, p in model.state_dict().items():
+        t = p.detach().contiguous().cpu()
+        crc = google_crc32c.value(t.view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{crc};".encode())
+    return h.hexdigest()[:32]
+
+
+def decode_points(sampled: list[bool], start: int, end: int) -> list[int]:
+    """Indices i in (start, end) of sampled tokens: after feeding tokens[:i] the engine drew token i."""
+    return [i for i in range(start + 1, end) if sampled[i]]
+
+
+class Engine:
+    def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 16, max_len: int | None = None,
+                 strict: bool = False, policy_version: int = 0, device: str | None = None):
+        self.model = model.eval()
+        self.tok = tokenizer
+        self.seed, self.strict, self.version = seed, strict, policy_version
+        p = next(model.parameters())
+        self.device, self.dtype = (torch.device(device) if device else p.device), p.dtype
+        self.model.to(self.device)
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.max_len = int(max_len or cfg.max_position_embeddings)
+        self.kv = SlotKV(cfg.num_hidden_layers, max_batch, kv_heads, self.max_len, head_dim, self.dtype, self.device)
+        self.eos = {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id or [])
+        self.seqs: dict[str, Seq] = {}
+        self._free = list(range(max_batch))
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self.fingerprint = model_fingerprint(model)
+        self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0}
+
+    # -- weights ----------------------------------------------------------------------------
+    def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """New policy weights; tokens drawn from now on record `version`."""
+        self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        self.version = version
+        self.fingerprint = model_fingerprint(self.model)
+
+    # -- admission --------------------------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        return len(self._free)
+
+    def add(self, req_id: str, tokens: list[int], sampled: list[bool], params: SamplingParams,
+            kv: dict[str, torch.Tensor] | None = None) -> int:
+        """Admit a request: a fresh prompt, or a resumed trajectory (all committed tokens, and optionally the
+        KV of a snapshot). Returns the number of tokens prefilled. A KV that does not fit raises ValueError
+        before anything changes, so the caller can fall back to re-prefill."""
+        if req_id in self.seqs:
+            raise ValueError(f"request {req_id!r} already in the engine")
+        if not tokens or len(tokens) != len(sampled):
+            raise ValueError(f"request {req_id!r}: {len(tokens)} tokens, {len(sampled)} mask entries")
+        if len(tokens) >= self.max_len:
+            raise ValueError(f"request {req_id!r}: {len(tokens)} tokens do not fit max_len {self.max_len}")
+        if not self._free:
+            raise RuntimeError("engine full: check capacity before add")
+        slot = min(self._free)
+        covered = 0
+        if kv is not None:
+            kv_len = next(iter(kv.values())).shape[1] if kv else 0
+            if not (kv_len == 0 or (kv_len < len(tokens) and sampled[kv_len])):
+                raise ValueError(f"kv covers {kv_len} tokens: not a decode point of this trajectory")
+            covered = self.kv.load(slot, kv)
+        self._free.remove(slot)
+        seq = Seq(req_id, traj_key(req_id), list(tokens), list(sampled), params, slot, kv_len=covered)
+        seq.n_sampled = sum(sampled)
+        seq.turn_start = max((i for i, s in enumerate(sampled) if not s), default=-1) + 1
+        self.seqs[req_id] = seq
+        before = seq.kv_len
+        self._replay(seq)
+        if seq.n_sampled and sampled[-1]:
+            self._check_stop(seq)
+        return seq.kv_len - before
+
+    def _replay(self, seq: Seq) -> None:
+        """Rebuild the KV of committed tokens up to the last decode point (pending tokens stay pending)."""
+        points = decode_points(seq.sampled, seq.kv_len, len(seq.tokens))
+        if not points:
+            return
+        if self.strict:
+            for i in points:
+                self._feed_block(seq, seq.tokens[seq.kv_len:i - 1])
+                self._forward_rows([seq])
+        else:
+            self._feed_block(seq, seq.tokens[seq.kv_len:points[-1]])
+
+    def remove(self, req_id: str) -> Seq:
+        seq = self.seqs.pop(req_id)
+        self._free.append(seq.slot)
+        return seq
+
+    def append_env(self, req_id: str, tokens: list[int]) -> None:
+        """Environment tokens (a tool result): loss-masked, never sampled; the request runs again."""
+        seq = self.seqs[req_id]
+        if len(seq.tokens) + len(tokens) >= self.max_len:
+            seq.state, seq.reason = "done", "context"
+            return
+        seq.tokens += tokens
+        seq.sampled += [False] * len(tokens)
+        seq.turn_start = len(seq.tokens)
+        seq.state, seq.reason = "run", ""
+
+    def export_kv(self, req_id: str) -> tuple[dict[str, torch.Tensor], int]:
+        seq = self.seqs[req_id]
+        return self.kv.export(seq.slot, seq.kv_len), seq.kv_len
+
+    # -- decode ------------------------------------------------------------------------------
+    def running(self) -> list[Seq]:
+        return [s for s in self.seqs.values() if s.state == "run"]
+
+    @torch.inference_mode()
+    def step(self) -> list[Draw]:
+        """Feed every running request its pending tokens and draw one token each (not yet accepted)."""
+        seqs = sorted(self.running(), key=lambda s: s.slot)
+        if not seqs:
+            return []
+        for s in seqs:
+            if len(s.tokens) - s.kv_len > 1:
+                self._feed_block(s, s.tokens[s.kv_len:-1])
+        groups = [[s] for s in seqs] if self.strict else _contiguous(seqs)
+        rows, logits = [], []
+        for g in groups:
+            logits.append(self._forward_rows(g))
+            rows += g
+        logits_BV = torch.cat(logits)
+        params = [s.params for s in rows]
+        u = [uniform(self.seed, s.key, len(s.tokens)) for s in rows]
+        tok_B, lp_B = sample(logits_BV, params, u)
+        return [Draw(s.req_id, len(s.tokens), int(t), float(lp)) for s, t, lp in zip(rows, tok_B.tolist(), lp_B.tolist())]
+
+    def accept(self, draws: list[Draw]) -> list[Seq]:
+        """Append committed draws; returns the requests that stopped (paused at a stop string, or done)."""
+        stopped = []
+        for d in draws:
+            seq = self.seqs[d.req_id]
+            if d.position != len(seq.tokens):
+                raise ValueError(f"draw for {d.req_id!r} at {d.position}, sequence has {len(seq.tokens)} tokens")
+            seq.tokens.append(d.token)
+            seq.sampled.append(True)
+            seq.n_sampled += 1
+            if self._check_stop(seq):
+                stopped.append(seq)
+        return stopped
+
+    def _check_stop(self, seq: Seq) -> bool:
+        p = seq.params
+        last = seq.tokens[-1]
+        if last in self.eos and not p.ignore_eos:
+            seq.state, seq.reason = "done", "eos"
+        elif seq.n_sampled >= p.max_new_tokens:
+            seq.state, seq.reason = "done", "max_new_tokens"
+        elif len(seq.tokens) >= self.max_len - 1:
+            seq.state, seq.reason = "done", "context"
+        elif p.stop:
+            window = max(len(s) for s in p.stop) + 8
+            tail = self.tok.decode(seq.tokens[max(seq.turn_start, len(seq.tokens) - window):])
+            hit = next((s for s in p.stop if tail.endswith(s)), None)
+            if hit is None:
+                return False
+            seq.state, seq.reason = "paused", f"stop:{hit}"
+        else:
+            return False
+        return True
+
+    # -- forwards -----------------------------------------------------------------------------
+    def _feed_block(self, seq: Seq, tokens: list[int]) -> None:
+        """Write the K/V of `tokens` (one row, causal) at seq.kv_len."""
+        if not tokens:
+            return
+        T, start = len(tokens), seq.kv_len
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.arange(start, start + T, device=self.device)
+        mask = (torch.arange(start + T, device=self.device)[None, :] <= pos[:, None])[None, None]
+        self.kv.bind(seq.slot, seq.slot + 1, None, start, T, start + T)
+        self._run(ids, pos[None], mask)
+        seq.kv_len += T
+        self.stats["block_tokens"] += T
+
+    def _forward_rows(self, group: list[Seq]) -> torch.Tensor:
+        """One decode row per request of a contiguous slot range: feeds its last pending token, returns logits [B, V]."""
+        lo = group[0].slot
+        pos_B = torch.tensor([s.kv_len for s in group], device=self.device)
+        ids = torch.tensor([[s.tokens[s.kv_len]] for s in group], device=self.device)
+        kv_len = int(pos_B.max()) + 1
+        mask = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
+        self.kv.bind(lo, lo + len(group), pos_B, 0, 1, kv_len)
+        logits = self._run(ids, pos_B[:, None], mask)
+        for s in group:
+            s.kv_len += 1
+        self.stats["decode_rows"] += len(group)
+        return logits[:, -1, :]
+
+    def _run(self, ids, pos, mask) -> torch.Tensor:
+        self.stats["forwards"] += 1
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kw: self.kv})
+        return out.logits
+
+    # -- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams, ids: list[str] | None = None) -> list[Seq]:
+        """Decode `prompts` to completion without a WAL (benchmarks, evaluation)."""
+        ids = ids or [f"g{i}" for i in range(len(prompts))]
+        queue, done = list(zip(ids, prompts)), []
+        while queue or self.seqs:
+            while queue and self.capacity:
+                rid, p = queue.pop(0)
+                self.add(rid, p, [False] * len(p), params)
+            for s in self.accept(self.step()):
+                if s.state == "paused":
+                    s.state, s.reason = "done", s.reason
+            for s in [s for s in self.seqs.values() if s.state != "run"]:
+                done.append(self.remove(s.req_id))
+        order = {rid: i for i, rid in enumerate(ids)}
+        return sorted(done, key=lambda s: order[s.req_id])
+
+
+def _contiguous(seqs: list[Seq]) -> list[list[Seq]]:
+    """Split slot-sorted requests into runs of consecutive slots (each run is one batched forward)."""
+    groups: list[list[Seq]] = []
+    for s in seqs:
+        if groups and groups[-1][-1].slot + 1 == s.slot:
+            groups[-1].append(s)
+        else:
+            groups.append([s])
+    return groups

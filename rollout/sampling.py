@@ -1,0 +1,89 @@
+"""Deterministic sampling: a counter-based RNG and inverse-CDF draws over filtered probabilities.
+
+The token at position t of trajectory j is a pure function of (run seed, j, t, logits): the uniform
+comes from a splitmix64 hash of the three keys (no generator state, so batch composition, resume
+point and worker never matter), and the draw is an inverse-CDF search over fp64 probabilities that
+are sorted with a stable sort, so the reduction order per row is fixed. Pure: torch only.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding controls. temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 64  # sampled tokens over the whole trajectory (env tokens not counted)
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, e.g. ("</call>",)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature {self.temperature} outside [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p {self.top_p} outside (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError(f"top_k {self.top_k} must be >= 0 and max_new_tokens {self.max_new_tokens} >= 1")
+
+
+def splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def traj_key(traj_id: str | int) -> int:
+    """A 64-bit key of a trajectory id (stable across processes, unlike hash())."""
+    return int.from_bytes(hashlib.blake2b(str(traj_id).encode(), digest_size=8).digest(), "little")
+
+
+def uniform(seed: int, traj: int, position: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, trajectory key, position)."""
+    h = splitmix64(seed & _MASK64)
+    h = splitmix64(h ^ (traj & _MASK64))
+    h = splitmix64(h ^ (position & _MASK64))
+    return (h >> 11) * (1.0 / (1 << 53))
+
+
+def sample(logits_BV: torch.Tensor, params: list[SamplingParams], u_B: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [B] and their behaviour log-probs [B] (log-prob under the distribution actually sampled:
+    temperature-scaled, top-k / top-p filtered and renormalised; greedy rows report the plain softmax).
+
+    Every row is computed independently of the others in fp64, so a row's draw never depends on
+    what else is in the batch.
+    """
+    B, V = logits_BV.shape
+    if len(params) != B or len(u_B) != B:
+        raise ValueError(f"sample: {B} rows but {len(params)} params and {len(u_B)} uniforms")
+    x = logits_BV.to(torch.float64)
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=x.device)
+    greedy = temp == 0
+    z = x / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    z_sorted, idx = torch.sort(z, dim=-1, descending=True, stable=True)
+    probs = torch.softmax(z_sorted, dim=-1)
+    rank = torch.arange(V, device=x.device)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=x.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=x.device)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each rank
+    keep = (rank < top_k[:, None]) & ((before < top_p[:, None]) | (rank == 0))
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    cdf = torch.cumsum(kept, dim=-1)
+    total = cdf[:, -1:]
+    u = torch.tensor(u_B, dtype=torch.float64, device=x.device)[:, None]
+    pick = torch.searchsorted(cdf, u * total, right=True).clamp_(max=V - 1)
+    pick = torch.where(greedy[:, None], torch.zeros_like(pick), pick)
+    token = idx.gather(1, pick)[:, 0]
+    logprob_sampled = torch.log(kept.gather(1, pick)[:, 0] / total[:, 0])
+    logprob_greedy = torch.log_softmax(x, dim=-1).gather(1, token[:, None])[:, 0]
+    logprob = torch.where(greedy, logprob_greedy, logprob_sampled)
+    return token.cpu(), logprob.to(torch.float32).cpu()

@@ -1,0 +1,44 @@
+import torch
+
+from rollout.sampling import SamplingParams, sample, uniform
+
+
+def test_uniform_is_a_pure_function_of_its_keys():
+    a = [uniform(7, 11, t) for t in range(1000)]
+    assert a == [uniform(7, 11, t) for t in range(1000)]
+    assert all(0.0 <= x < 1.0 for x in a)
+    assert a != [uniform(8, 11, t) for t in range(1000)]
+    assert abs(sum(a) / len(a) - 0.5) < 0.05
+
+
+def test_draws_follow_the_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))[None].repeat(4000, 1)
+    u = [uniform(1, 2, t) for t in range(4000)]
+    tok, lp = sample(logits, [SamplingParams()] * 4000, u)
+    freq = torch.bincount(tok, minlength=3).double() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.03)
+    assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3, 0.2]))[tok], atol=1e-6)
+
+
+def test_top_k_top_p_and_greedy():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]]).repeat(500, 1)
+    u = [uniform(3, 4, t) for t in range(500)]
+    tok, lp = sample(logits, [SamplingParams(top_k=2)] * 500, u)
+    assert set(tok.tolist()) == {1, 2}
+    p = torch.softmax(torch.tensor([3.0, 2.0]), 0)
+    assert torch.allclose(lp.exp(), p[(tok == 2).long()], atol=1e-6)
+    tok, _ = sample(logits, [SamplingParams(top_p=0.5)] * 500, u)
+    assert set(tok.tolist()) == {1}  # the top token alone holds > 0.5 of the mass
+    tok, lp = sample(logits[:1], [SamplingParams(temperature=0.0)], [0.99])
+    assert tok.item() == 1 and abs(lp.item() - torch.log_softmax(logits[0], 0)[1].item()) < 1e-6
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 97, generator=g)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=20)] * 16
+    u = [uniform(5, i, 9) for i in range(16)]
+    tok, lp = sample(logits, params, u)
+    for i in range(16):
+        t1, l1 = sample(logits[i:i + 1], params[:1], u[i:i + 1])
+        assert t1.item() == tok[i].item() and l1.item() == lp[i].item()
