@@ -1,2 +1,60 @@
-"""wal: token-granular write-ahead log — record format, segments, group commit, recovery, gRPC log
-service; also the per-sandbox environment log. (Comes with the WAL issue.)"""
+"""wal: token-granular write-ahead log — record format, segments, group commit, recovery, retention,
+gRPC log service; also the per-sandbox environment log.
+
+    types.py      records (tokens, finalize, env invoke/result), EnvEntry, packed dtypes
+    errors.py     GapError, ConflictError, FinalizedError, CorruptionError, LogClosedError, …
+    codec.py      pure frame codec: length + CRC32C, encode/decode, segment header, token packing
+    segments.py   segment files, directory fsync, recovery scan (torn tail cut, corruption refused)
+    log.py        Log: appends + leader/follower group commit + segment roll, poisoned on I/O error
+    index.py      per-trajectory token index: contiguity, no rewrite, idempotent repeats, durable reads
+    envindex.py   per-sandbox environment index with the same rules
+    store.py      Store: log + both indexes, replay on open, retention (reclaim / compaction)
+    config.py     WALConfig (log) and ServeConfig (gRPC service)
+    base.py       TokenLog: the interface of the in-process and remote logs
+    tokenwal.py   TokenWAL: the in-process backend
+    envlog.py     EnvLog: per-sandbox environment log (invoke/result, durable on return)
+    verify.py     read-only scan for `postrain wal verify` / `dump`
+    wal.proto     gRPC service; wal_pb2.py / wal_pb2_grpc.py are generated from it (grpcio-tools)
+    server.py     gRPC log service (auth, bounded messages, streaming append with durable acks)
+    client.py     RemoteWAL: TokenLog over gRPC, reconnects and retries idempotently
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from wal.base import TokenLog
+from wal.config import WALConfig
+from wal.envlog import EnvLog
+from wal.errors import (
+    ConflictError,
+    CorruptionError,
+    FinalizedError,
+    GapError,
+    LockedError,
+    LogClosedError,
+    RemoteError,
+    WALError,
+)
+from wal.tokenwal import TokenWAL
+from wal.types import EnvEntry
+
+__all__ = ["open", "open_envlog", "connect", "TokenLog", "TokenWAL", "EnvLog", "EnvEntry", "WALConfig",
+           "WALError", "GapError", "ConflictError", "FinalizedError", "CorruptionError", "LogClosedError",
+           "LockedError", "RemoteError"]
+
+
+def open(path: str | Path, config: WALConfig | None = None, *, repair: bool = False) -> TokenWAL:  # noqa: A001
+    """Open (or create) the WAL directory `path`, recovering it first; see TokenWAL."""
+    return TokenWAL(path, config, repair=repair)
+
+
+def open_envlog(path: str | Path, config: WALConfig | None = None, *, repair: bool = False) -> EnvLog:
+    """Open (or create) an environment log directory; see EnvLog."""
+    return EnvLog(path, config, repair=repair)
+
+
+def connect(address: str, token: str | None = None, **kwargs):
+    """A TokenLog served by `postrain wal serve` at host:port (gRPC); see wal.client.RemoteWAL."""
+    from wal.client import RemoteWAL
+
+    return RemoteWAL(address, token=token, **kwargs)

@@ -1,0 +1,56 @@
+"""The interface every token log offers, in process (TokenWAL) or over gRPC (RemoteWAL)."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+
+class TokenLog(ABC):
+    """Durable, token-granular log of sampled trajectories.
+
+    `append` records tokens at positions start.. of a trajectory (contiguous from 0; an exact repeat is
+    acknowledged, a gap or a rewrite is refused); `commit` returns once everything appended before it is
+    durable; reads return committed tokens only; `finalize` says the trajectory is in the data plane.
+    """
+
+    @abstractmethod
+    def append(self, traj_id: str, start: int, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int) -> int:
+        """Record tokens[i] at position start+i; returns start + len(tokens)."""
+
+    @abstractmethod
+    def commit(self) -> int:
+        """Block until everything appended before this call is durable; returns the durable lsn."""
+
+    @abstractmethod
+    def tokens(self, traj_id: str) -> list[int]:
+        """Committed token ids of the trajectory, in order ([] if unknown)."""
+
+    @abstractmethod
+    def logprobs(self, traj_id: str) -> list[float]:
+        """Behaviour log-probs of the committed tokens."""
+
+    @abstractmethod
+    def policy_versions(self, traj_id: str) -> list[int]:
+        """Policy version that sampled each committed token."""
+
+    @abstractmethod
+    def trajectories(self) -> list[str]:
+        """Ids of trajectories with committed tokens that are not finalized (what a restart must resume)."""
+
+    @abstractmethod
+    def finalize(self, traj_id: str) -> None:
+        """Durably mark the trajectory as safely in the data plane; its records may then be reclaimed."""
+
+    @abstractmethod
+    def stats(self) -> dict:
+        """Counters of the log (segments, bytes, lsns, fsyncs, …)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Commit what is pending and release the log."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,275 @@
+"""Record codec (pure): framing, CRC32C, encode and decode of every record type, segment headers.
+
+Frame on disk::
+
+    u32 body_len | u32 crc32c(body) | body
+    body = u64 lsn | u8 type | payload
+    TOKENS      payload = u64 start | u64 policy_version | u32 n | u16 id_len | id | n*i32 | n*f64
+    FINALIZE    payload = u16 id_len | id
+    ENV_INVOKE  payload = u64 seq | u16 id_len | u32 data_len | id | request
+    ENV_RESULT  payload = u64 seq | u16 id_len | u32 data_len | id | response
+
+All integers little-endian. CRC32C is google_crc32c (hardware-accelerated where the CPU has it).
+"""
+from __future__ import annotations
+
+import struct
+from typing import Iterator
+
+import google_crc32c
+import numpy as np
+
+from wal.types import (
+    ENV_INVOKE,
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    ENV_RESULT,
+    FINALIZE,
+    LOGPROB_BYTES,
+    TOKEN_BYTES,
+    TOKENS,
+    EnvInvokeRecord,
+    EnvResultRecord,
+    FinalizeRecord,
+    Record,
+    TokensRecord,
+)
+
+FRAME = struct.Struct("<II")
+BODY = struct.Struct("<QB")
+TOKENS_HEAD = struct.Struct("<QQIH")
+ID_HEAD = struct.Struct("<H")
+ENV_HEAD = struct.Struct("<QHI")
+MAX_BODY_BYTES = 64 << 20
+MAX_ID_BYTES = 1024
+MAX_LSN_JUMP = 1 << 40  # resync sanity bound: a valid frame's lsn is close to the last good one
+
+SEGMENT_MAGIC = b"PTWALSG1"
+SEGMENT_HEAD = struct.Struct("<8sQI")  # magic, base lsn, crc32c(magic + base)
+SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
+
+crc32c = google_crc32c.value
+_I32_MAX = (1 << 31) - 1
+
+
+class CodecError(ValueError):
+    """A record cannot be encoded (bad id, too large) or a frame does not decode."""
+
+
+def _id_bytes(name: str, what: str) -> bytes:
+    if not isinstance(name, str) or not name:
+        raise CodecError(f"{what} must be a non-empty string, got {name!r}")
+    raw = name.encode("utf-8")
+    if len(raw) > MAX_ID_BYTES:
+        raise CodecError(f"{what} is {len(raw)} bytes in UTF-8; the limit is {MAX_ID_BYTES}")
+    return raw
+
+
+def _frame(body: bytes) -> bytes:
+    if len(body) > MAX_BODY_BYTES:
+        raise CodecError(f"record body of {len(body)} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
+    return FRAME.pack(len(body), crc32c(body)) + body
+
+
+def encode_tokens(lsn: int, traj_id: str, start: int, policy_version: int, tokens: bytes, logprobs: bytes) -> bytes:
+    n = len(tokens) // TOKEN_BYTES
+    if len(tokens) != n * TOKEN_BYTES or len(logprobs) != n * LOGPROB_BYTES:
+        raise CodecError(f"packed tokens ({len(tokens)} B) and logprobs ({len(logprobs)} B) do not describe the same count")
+    if start < 0 or policy_version < 0:
+        raise CodecError(f"start ({start}) and policy_version ({policy_version}) must be >= 0")
+    tid = _id_bytes(traj_id, "traj_id")
+    body = b"".join((BODY.pack(lsn, TOKENS), TOKENS_HEAD.pack(start, policy_version, n, len(tid)), tid, tokens, logprobs))
+    return _frame(body)
+
+
+def encode_finalize(lsn: int, traj_id: str) -> bytes:
+    tid = _id_bytes(traj_id, "traj_id")
+    return _frame(BODY.pack(lsn, FINALIZE) + ID_HEAD.pack(len(tid)) + tid)
+
+
+def _encode_env(kind: int, lsn: int, sandbox_id: str, seq: int, data: bytes) -> bytes:
+    if seq < 0:
+        raise CodecError(f"seq must be >= 0, got {seq}")
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError(f"environment payload must be bytes, got {type(data).__name__}")
+    sid = _id_bytes(sandbox_id, "sandbox_id")
+    return _frame(b"".join((BODY.pack(lsn, kind), ENV_HEAD.pack(seq, len(sid), len(data)), sid, bytes(data))))
+
+
+def encode_env_invoke(lsn: int, sandbox_id: str, seq: int, request: bytes) -> bytes:
+    return _encode_env(ENV_INVOKE, lsn, sandbox_id, seq, request)
+
+
+def encode_env_result(lsn: int, sandbox_id: str, seq: int, response: bytes) -> bytes:
+    return _encode_env(ENV_RESULT, lsn, sandbox_id, seq, response)
+
+
+def encode(record: Record, lsn: int | None = None) -> bytes:
+    """Encode a decoded record again (compaction copies records forward under a new lsn)."""
+    lsn = record.lsn if lsn is None else lsn
+    if isinstance(record, TokensRecord):
+        return encode_tokens(lsn, record.traj_id, record.start, record.policy_version, record.tokens, record.logprobs)
+    if isinstance(record, FinalizeRecord):
+        return encode_finalize(lsn, record.traj_id)
+    if isinstance(record, EnvInvokeRecord):
+        return encode_env_invoke(lsn, record.sandbox_id, record.seq, record.request)
+    if isinstance(record, EnvResultRecord):
+        return encode_env_result(lsn, record.sandbox_id, record.seq, record.response)
+    raise CodecError(f"not a record: {record!r}")
+
+
+def decode_body(body: bytes) -> Record:
+    """Decode a checksum-verified body; raises CodecError when its inner lengths do not add up."""
+    if len(body) < BODY.size:
+        raise CodecError("body shorter than its header")
+    lsn, kind = BODY.unpack_from(body, 0)
+    off = BODY.size
+    try:
+        if kind == TOKENS:
+            start, version, n, id_len = TOKENS_HEAD.unpack_from(body, off)
+            off += TOKENS_HEAD.size
+            tok_end = off + id_len + n * TOKEN_BYTES
+            if tok_end + n * LOGPROB_BYTES != len(body):
+                raise CodecError("tokens record length mismatch")
+            traj = body[off:off + id_len].decode("utf-8")
+            return TokensRecord(lsn, traj, start, version, body[off + id_len:tok_end], body[tok_end:])
+        if kind == FINALIZE:
+            (id_len,) = ID_HEAD.unpack_from(body, off)
+            if off + ID_HEAD.size + id_len != len(body):
+                raise CodecError("finalize record length mismatch")
+            return FinalizeRecord(lsn, body[off + ID_HEAD.size:].decode("utf-8"))
+        if kind in (ENV_INVOKE, ENV_RESULT):
+            seq, id_len, data_len = ENV_HEAD.unpack_from(body, off)
+            off += ENV_HEAD.size
+            if off + id_len + data_len != len(body):
+                raise CodecError("environment record length mismatch")
+            sid = body[off:off + id_len].decode("utf-8")
+            data = body[off + id_len:]
+            return (EnvInvokeRecord if kind == ENV_INVOKE else EnvResultRecord)(lsn, sid, seq, data)
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise CodecError(f"malformed body: {exc}") from None
+    raise CodecError(f"unknown record type {kind}")
+
+
+def decode(frame: bytes) -> Record:
+    """Decode exactly one frame (tests and tools); raises CodecError on any damage."""
+    rec, end, err = read_frame(frame, 0, None)
+    if err is not None:
+        raise CodecError(err)
+    if end != len(frame):
+        raise CodecError(f"{len(frame) - end} trailing bytes after the frame")
+    return rec
+
+
+def read_frame(buf: bytes, off: int, expect_lsn: int | None) -> tuple[Record | None, int, str | None]:
+    """Decode the frame at `off`: (record, end offset, None) or (None, off, why it is bad)."""
+    if off + FRAME.size > len(buf):
+        return None, off, "incomplete frame header"
+    body_len, crc = FRAME.unpack_from(buf, off)
+    if body_len < BODY.size or body_len > MAX_BODY_BYTES:
+        return None, off, f"implausible body length {body_len}"
+    end = off + FRAME.size + body_len
+    if end > len(buf):
+        return None, off, f"frame of {body_len} bytes runs past the end of the segment"
+    body = buf[off + FRAME.size:end]
+    if crc32c(body) != crc:
+        return None, off, "checksum mismatch"
+    try:
+        rec = decode_body(body)
+    except CodecError as exc:
+        return None, off, str(exc)
+    if expect_lsn is not None and rec.lsn != expect_lsn:
+        return None, off, f"lsn {rec.lsn} where {expect_lsn} was expected"
+    return rec, end, None
+
+
+def iter_frames(buf: bytes, off: int, expect_lsn: int | None) -> Iterator[tuple[int, Record]]:
+    """Yield (offset, record) while frames are good and lsns consecutive; stops at the first bad one."""
+    while off < len(buf):
+        rec, end, err = read_frame(buf, off, expect_lsn)
+        if err is not None:
+            return
+        yield off, rec
+        off = end
+        expect_lsn = rec.lsn + 1
+
+
+def find_valid_after(buf: bytes, off: int, last_lsn: int) -> int | None:
+    """The first offset > `off` where a checksum-valid frame with a later lsn starts, else None.
+
+    Used to tell a torn tail (nothing valid follows) from corruption in the middle (valid records
+    follow the bad one). Cheap header checks reject almost every offset before any CRC is computed.
+    """
+    n = len(buf)
+    for p in range(off + 1, n - FRAME.size - BODY.size + 1):
+        body_len, _ = FRAME.unpack_from(buf, p)
+        if body_len < BODY.size or body_len > MAX_BODY_BYTES or p + FRAME.size + body_len > n:
+            continue
+        lsn, kind = BODY.unpack_from(buf, p + FRAME.size)
+        if not (last_lsn < lsn <= last_lsn + MAX_LSN_JUMP) or kind not in (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT):
+            continue
+        rec, _, err = read_frame(buf, p, None)
+        if err is None:
+            return p
+    return None
+
+
+def encode_segment_header(base_lsn: int) -> bytes:
+    head = SEGMENT_MAGIC + struct.pack("<Q", base_lsn)
+    return SEGMENT_HEAD.pack(SEGMENT_MAGIC, base_lsn, crc32c(head))
+
+
+def decode_segment_header(buf: bytes) -> int:
+    """The base lsn of a segment; raises CodecError when the header is short or damaged."""
+    if len(buf) < SEGMENT_HEAD_BYTES:
+        raise CodecError(f"segment header is {len(buf)} bytes, expected {SEGMENT_HEAD_BYTES}")
+    magic, base, crc = SEGMENT_HEAD.unpack_from(buf, 0)
+    if magic != SEGMENT_MAGIC or crc32c(buf[:16]) != crc:
+        raise CodecError("segment header damaged (bad magic or checksum)")
+    return base
+
+
+def pack_tokens(tokens) -> bytes:
+    """Token ids (list, array or numpy integers) -> packed little-endian int32; rejects non-integers and ids outside 0..2^31-1."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raise CodecError("tokens must be a sequence of ints, not bytes")
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        if arr.size == 0:
+            return b""
+        raise CodecError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        raise CodecError(f"tokens must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _I32_MAX:
+        raise CodecError(f"token ids must lie in 0..{_I32_MAX}, got {lo}..{hi}")
+    if arr.dtype != np.dtype(TOKEN_DTYPE):
+        arr = arr.astype(TOKEN_DTYPE)
+    return arr.tobytes()
+
+
+def pack_logprobs(logprobs, n: int) -> bytes:
+    """Log-probs -> packed little-endian float64; exactly `n` of them, no NaN."""
+    if isinstance(logprobs, (bytes, bytearray, memoryview)):
+        raise CodecError("logprobs must be a sequence of floats, not bytes")
+    try:
+        arr = np.asarray(logprobs, dtype=LOGPROB_DTYPE)
+    except (TypeError, ValueError) as exc:
+        raise CodecError(f"logprobs must be floats: {exc}") from None
+    if arr.ndim != 1 and arr.size:
+        raise CodecError(f"logprobs must be one-dimensional, got shape {arr.shape}")
+    if arr.size != n:
+        raise CodecError(f"got {arr.size} logprobs for {n} tokens; there must be one per token")
+    if n and np.isnan(arr).any():
+        raise CodecError("logprobs contain NaN")
+    return arr.tobytes()
+
+
+def unpack_tokens(data: bytes) -> list[int]:
+    return np.frombuffer(data, dtype=TOKEN_DTYPE).tolist()
+
+
+def unpack_logprobs(data: bytes) -> list[float]:
+    return np.frombuffer(data, dtype=LOGPROB_DTYPE).tolist()

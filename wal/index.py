@@ -1,0 +1,125 @@
+"""In-memory per-trajectory token index (pure; the caller holds the log's mutex).
+
+Each live trajectory keeps its tokens and log-probs packed (bytearray, no per-token objects), its
+policy versions as runs, and the lsns of its records that are not yet durable: reads return the
+durable prefix only, so nothing is exposed before it is committed.
+
+The append rule: positions are contiguous from 0. A start past the end is a gap (GapError); an
+overlap with recorded positions must repeat them exactly (tokens, log-probs and policy version) or
+it is a rewrite (ConflictError); the part of an append that is an exact repeat is acknowledged and
+not written again, so a retried append never duplicates.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from wal.errors import ConflictError, FinalizedError, GapError
+from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
+
+
+@dataclass
+class Trajectory:
+    tokens: bytearray = field(default_factory=bytearray)  # packed TOKEN_DTYPE
+    logprobs: bytearray = field(default_factory=bytearray)  # packed LOGPROB_DTYPE
+    version_runs: list[tuple[int, int]] = field(default_factory=list)  # (first position, policy version)
+    pending: deque = field(default_factory=deque)  # (lsn, length after that record), not yet durable
+    durable_len: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+    def settle(self, durable_lsn: int) -> int:
+        while self.pending and self.pending[0][0] <= durable_lsn:
+            self.durable_len = self.pending.popleft()[1]
+        return self.durable_len
+
+    def versions(self, lo: int, hi: int) -> list[int]:
+        out: list[int] = []
+        runs = self.version_runs
+        for i, (first, version) in enumerate(runs):
+            end = runs[i + 1][0] if i + 1 < len(runs) else self.length
+            a, b = max(first, lo), min(end, hi)
+            if a < b:
+                out.extend([version] * (b - a))
+        return out
+
+
+class TokenIndex:
+    def __init__(self) -> None:
+        self.trajs: dict[str, Trajectory] = {}
+        self.finalized: set[str] = set()
+
+    def new_part(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, version: int) -> tuple[int, int] | None:
+        """Check an append; returns (first new position, byte offset into tokens) of the part to write,
+        or None when all of it is an exact repeat. Raises GapError / ConflictError / FinalizedError."""
+        if traj_id in self.finalized:
+            raise FinalizedError(f"trajectory {traj_id!r} is finalized; it takes no more appends")
+        traj = self.trajs.get(traj_id)
+        end = traj.length if traj is not None else 0
+        n = len(tokens) // TOKEN_BYTES
+        if start < 0:
+            raise GapError(f"trajectory {traj_id!r}: start {start} is negative")
+        if start > end:
+            raise GapError(f"trajectory {traj_id!r}: append at position {start} leaves a gap; "
+                           f"the log holds positions 0..{end - 1} (next expected {end})")
+        overlap = min(end - start, n)
+        if overlap > 0:
+            _check_repeat(traj_id, traj, start, overlap, tokens, logprobs, version)
+        if overlap == n:
+            return None
+        return start + overlap, overlap
+
+    def apply(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, version: int, lsn: int) -> None:
+        """Record an append already checked by new_part (start == current length)."""
+        traj = self.trajs.get(traj_id)
+        if traj is None:
+            traj = self.trajs[traj_id] = Trajectory()
+        if start != traj.length:
+            raise AssertionError(f"apply at {start} but trajectory {traj_id!r} has length {traj.length}")
+        if not traj.version_runs or traj.version_runs[-1][1] != version:
+            traj.version_runs.append((start, version))
+        traj.tokens += tokens
+        traj.logprobs += logprobs
+        traj.pending.append((lsn, traj.length))
+
+    def finalize(self, traj_id: str) -> bool:
+        """Mark finalized and drop from the index; False if it already was."""
+        if traj_id in self.finalized:
+            return False
+        self.trajs.pop(traj_id, None)
+        self.finalized.add(traj_id)
+        return True
+
+    def read(self, traj_id: str, durable_lsn: int) -> tuple[Trajectory | None, int]:
+        if traj_id in self.finalized:
+            raise FinalizedError(f"trajectory {traj_id!r} was finalized; its tokens live in the data plane now")
+        traj = self.trajs.get(traj_id)
+        if traj is None:
+            return None, 0
+        return traj, traj.settle(durable_lsn)
+
+
+def _check_repeat(traj_id, traj, start, overlap, tokens, logprobs, version) -> None:
+    a, b = start * TOKEN_BYTES, (start + overlap) * TOKEN_BYTES
+    have = traj.tokens[a:b]
+    if have != tokens[:overlap * TOKEN_BYTES]:
+        old = np.frombuffer(bytes(have), TOKEN_DTYPE)
+        new = np.frombuffer(tokens[:overlap * TOKEN_BYTES], TOKEN_DTYPE)
+        i = int(np.flatnonzero(old != new)[0])
+        raise ConflictError(f"trajectory {traj_id!r}: append rewrites position {start + i} "
+                            f"(recorded token {int(old[i])}, new {int(new[i])}); re-sampling a recorded token is forbidden")
+    la, lb = start * LOGPROB_BYTES, (start + overlap) * LOGPROB_BYTES
+    if traj.logprobs[la:lb] != logprobs[:overlap * LOGPROB_BYTES]:
+        old = np.frombuffer(bytes(traj.logprobs[la:lb]), LOGPROB_DTYPE)
+        new = np.frombuffer(logprobs[:overlap * LOGPROB_BYTES], LOGPROB_DTYPE)
+        i = int(np.flatnonzero(old.view(np.int64) != new.view(np.int64))[0])
+        raise ConflictError(f"trajectory {traj_id!r}: append repeats position {start + i} with log-prob {new[i]!r}, "
+                            f"recorded {old[i]!r}")
+    have_versions = set(traj.versions(start, start + overlap))
+    if have_versions != {version}:
+        raise ConflictError(f"trajectory {traj_id!r}: append repeats positions {start}..{start + overlap - 1} under "
+                            f"policy version {version}, recorded {sorted(have_versions)}")

@@ -1,0 +1,189 @@
+"""The log: segments plus group commit. Knows frames and lsns, not what records mean.
+
+Group commit is leader/follower: `append_locked` only adds an encoded frame to an in-memory batch
+(under `mutex`); `commit()` waits until everything appended before it is durable. The first committer
+that finds no flush running becomes the leader: it takes the whole batch, writes it and fsyncs once
+while the others keep appending; followers wake when the durable lsn passes their target, and one of
+those still behind leads the next flush. A single writer therefore pays no thread hand-off, and N
+concurrent writers share one fsync.
+
+A failed write or fsync poisons the log (after a failed fsync the kernel may have dropped the dirty
+pages, so the durable state is unknown): every later call raises LogClosedError; reopen to recover.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+from pathlib import Path
+from typing import Callable
+
+from wal import segments
+from wal.errors import LockedError, LogClosedError
+from wal.segments import ScanReport
+from wal.types import Record
+
+
+class Log:
+    def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
+                 repair: bool = False, on_roll: Callable[[], None] | None = None):
+        self.directory = Path(directory)
+        if not self.directory.exists():
+            self.directory.mkdir(parents=True)
+            segments.fsync_dir(self.directory.parent)
+        elif not self.directory.is_dir():
+            raise NotADirectoryError(f"WAL path {self.directory} exists and is not a directory")
+        self._lock_fd = _lock_directory(self.directory)
+        try:
+            self.report: ScanReport = segments.scan(self.directory, on_record, mutate=True, repair=repair)
+            self._segments = segments.list_segments(self.directory)
+            if not self._segments:
+                base = self.report.next_lsn
+                os.close(segments.create_segment(self.directory, base))
+                self._segments = [(base, self.directory / segments.segment_name(base))]
+            self._fd = os.open(self._segments[-1][1], os.O_WRONLY | os.O_APPEND)
+            os.fsync(self._fd)  # what a killed writer left in the page cache becomes durable before we build on it
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        self._size = os.fstat(self._fd).st_size
+        self.segment_bytes = segment_bytes
+        self.mutex = threading.Lock()
+        self._cv = threading.Condition(self.mutex)
+        self._on_roll = on_roll
+        self._batch: list[bytes] = []
+        self._batch_bytes = 0
+        self._next_lsn = self.report.next_lsn
+        self._durable_lsn = self._next_lsn - 1
+        self._flushing = False
+        self._error: BaseException | None = None
+        self._closed = False
+        self.fsyncs = 0
+        self.bytes_written = 0
+
+    # --- appending (caller holds `mutex`) ---
+    def append_locked(self, encode: Callable[[int], bytes]) -> int:
+        self.check_open()
+        lsn = self._next_lsn
+        frame = encode(lsn)
+        self._batch.append(frame)
+        self._batch_bytes += len(frame)
+        self._next_lsn = lsn + 1
+        return lsn
+
+    def check_open(self) -> None:
+        if self._error is not None:
+            raise LogClosedError(f"WAL {self.directory} failed a write or fsync ({self._error}); reopen it to recover")
+        if self._closed:
+            raise LogClosedError(f"WAL {self.directory} is closed")
+
+    @property
+    def batch_bytes(self) -> int:
+        return self._batch_bytes
+
+    @property
+    def durable_lsn(self) -> int:
+        """Every record with lsn <= this is on disk (-1: none yet)."""
+        return self._durable_lsn
+
+    @property
+    def next_lsn(self) -> int:
+        return self._next_lsn
+
+    # --- group commit ---
+    def commit(self, upto: int | None = None) -> int:
+        """Block until every record appended before this call (or up to lsn `upto`) is durable."""
+        with self._cv:
+            target = self._next_lsn - 1 if upto is None else upto
+            while self._durable_lsn < target:
+                self.check_open()
+                if self._flushing:
+                    self._cv.wait()
+                    continue
+                self._lead_flush()
+            return self._durable_lsn
+
+    def _lead_flush(self) -> None:
+        # called with the mutex held; releases it for the write and fsync
+        self._flushing = True
+        frames, self._batch, self._batch_bytes = self._batch, [], 0
+        last = self._next_lsn - 1
+        rolled = None
+        self._cv.release()
+        try:
+            data = b"".join(frames)
+            segments.write_all(self._fd, data)
+            os.fsync(self._fd)
+            self._size += len(data)
+            if self._size >= self.segment_bytes:
+                rolled = last + 1
+                new_fd = segments.create_segment(self.directory, rolled)
+                os.close(self._fd)
+                self._fd, self._size = new_fd, os.fstat(new_fd).st_size
+        except BaseException as exc:
+            self._cv.acquire()
+            self._flushing = False
+            self._error = exc
+            self._cv.notify_all()
+            raise LogClosedError(f"WAL {self.directory}: write/fsync failed: {exc}") from exc
+        self._cv.acquire()
+        self.fsyncs += 1
+        self.bytes_written += len(data)
+        if rolled is not None:
+            self._segments.append((rolled, self.directory / segments.segment_name(rolled)))
+        self._durable_lsn = last
+        self._flushing = False
+        self._cv.notify_all()
+        if rolled is not None and self._on_roll is not None:
+            self._on_roll()
+
+    # --- segments (retention) ---
+    def sealed_segments(self) -> list[tuple[int, Path]]:
+        """Segments no longer written to, oldest first (caller holds `mutex`)."""
+        return list(self._segments[:-1])
+
+    def segment_list(self) -> list[tuple[int, Path]]:
+        return list(self._segments)
+
+    def delete_oldest(self, base: int) -> None:
+        """Remove the oldest sealed segment (its live records were copied forward and committed)."""
+        with self.mutex:
+            self.check_open()
+            if len(self._segments) < 2 or self._segments[0][0] != base:
+                raise AssertionError(f"segment {base} is not the oldest sealed segment")
+            path = self._segments.pop(0)[1]
+        path.unlink()
+        segments.fsync_dir(self.directory)
+
+    def disk_bytes(self) -> int:
+        total = 0
+        for _, p in self.segment_list():
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._error is None:
+                self.commit()
+        finally:
+            with self._cv:
+                while self._flushing:
+                    self._cv.wait()
+                self._closed = True
+                os.close(self._fd)
+                os.close(self._lock_fd)
+
+
+def _lock_directory(directory: Path) -> int:
+    fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise LockedError(f"WAL directory {directory} is open in another process (close it, or use that process's service)") from None
+    return fd

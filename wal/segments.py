@@ -1,0 +1,199 @@
+"""Segment files on disk and the recovery scan.
+
+A log directory holds `<base lsn, 20 digits>.seg` files, each a header (magic, base lsn, CRC) then
+frames with consecutive lsns; the next segment starts at the previous one's last lsn + 1. `torn/`
+keeps every byte that recovery cut off, for inspection. `LOCK` is held (flock) by the one process
+that has the log open.
+
+Recovery rule: a bad frame at the end of the *last* segment with nothing valid after it is a torn
+tail (an append that never completed): it is cut and kept aside. A bad frame followed by valid ones,
+or any damage in an earlier segment, is corruption: `scan` raises CorruptionError unless `repair`.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from wal import codec
+from wal.errors import CorruptionError
+from wal.types import Record
+
+SEGMENT_RE = re.compile(r"^(\d{20})\.seg$")
+TORN_DIR = "torn"
+
+
+def segment_name(base_lsn: int) -> str:
+    return f"{base_lsn:020d}.seg"
+
+
+def list_segments(directory: Path) -> list[tuple[int, Path]]:
+    out = []
+    for entry in os.scandir(directory):
+        m = SEGMENT_RE.match(entry.name)
+        if m and entry.is_file():
+            out.append((int(m.group(1)), Path(entry.path)))
+    return sorted(out)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def create_segment(directory: Path, base_lsn: int) -> int:
+    """Create a segment whose header is durable, and make its directory entry durable; returns an fd."""
+    path = directory / segment_name(base_lsn)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+    try:
+        write_all(fd, codec.encode_segment_header(base_lsn))
+        os.fsync(fd)
+        fsync_dir(directory)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+@dataclass
+class ScanReport:
+    """What a scan found; `postrain wal verify` prints it as JSON."""
+
+    directory: str
+    segments: int = 0
+    records: int = 0
+    bytes: int = 0
+    first_lsn: int | None = None
+    next_lsn: int = 0
+    torn_bytes_cut: int = 0
+    torn_files: list[str] = field(default_factory=list)
+    corruption: list[dict] = field(default_factory=list)
+    repaired: bool = False
+
+
+def _keep_aside(directory: Path, name: str, data: bytes) -> Path:
+    torn = directory / TORN_DIR
+    torn.mkdir(exist_ok=True)
+    path = torn / f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**9:09d}.torn"
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(torn)
+    fsync_dir(directory)
+    return path
+
+
+def _truncate(path: Path, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def scan(directory: Path, on_record: Callable[[Record], None], *, mutate: bool, repair: bool = False) -> ScanReport:
+    """Read every segment in order, calling `on_record` for each good record.
+
+    mutate=False (verify): touch nothing, report damage. mutate=True (open): cut a torn tail (kept in
+    torn/); on corruption raise CorruptionError, or with repair=True cut the log at the bad record and
+    move everything after it into torn/.
+    """
+    directory = Path(directory)
+    report = ScanReport(directory=str(directory))
+    segs = list_segments(directory)
+    expect: int | None = None
+    for i, (base, path) in enumerate(segs):
+        last = i == len(segs) - 1
+        buf = path.read_bytes()
+        report.segments += 1
+        report.bytes += len(buf)
+        problem = None
+        try:
+            head_base = codec.decode_segment_header(buf)
+            if head_base != base:
+                problem = f"header names base lsn {head_base} but the file name says {base}"
+            elif expect is not None and base != expect:
+                problem = f"lsn gap between segments: expected a segment starting at {expect}, found {base}"
+        except codec.CodecError as exc:
+            if last and len(buf) <= codec.SEGMENT_HEAD_BYTES and (expect is None or base == expect):
+                # created but its header never became durable: a torn tail of the whole log
+                report.torn_bytes_cut += len(buf)
+                report.bytes -= len(buf)
+                report.segments -= 1
+                if mutate:
+                    report.torn_files.append(str(_keep_aside(directory, path.name, buf)))
+                    path.unlink()
+                    fsync_dir(directory)
+                break
+            problem = str(exc)
+        if problem is not None:
+            _corrupt(report, directory, segs[i:], path, 0, problem, True, mutate, repair)
+            break
+        if report.first_lsn is None:
+            report.first_lsn = base
+        expect = base
+        end = codec.SEGMENT_HEAD_BYTES
+        for off, rec in codec.iter_frames(buf, end, base):
+            on_record(rec)
+            report.records += 1
+            expect = rec.lsn + 1
+            end = off + codec.FRAME.size + codec.FRAME.unpack_from(buf, off)[0]
+        report.next_lsn = expect
+        if end == len(buf):
+            continue
+        _, _, why = codec.read_frame(buf, end, expect)
+        follows = codec.find_valid_after(buf, end, expect - 1) is not None
+        if last and not follows:
+            report.torn_bytes_cut += len(buf) - end
+            report.bytes -= len(buf) - end
+            if mutate:
+                report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:])))
+                _truncate(path, end)
+            break
+        _corrupt(report, directory, segs[i + 1:], path, end, why, follows, mutate, repair, buf)
+        break
+    return report
+
+
+def _corrupt(report, directory, later, path, offset, why, follows, mutate, repair, buf=None) -> None:
+    where = f"{path.name} offset {offset}"
+    report.corruption.append({"segment": path.name, "offset": offset, "reason": why,
+                              "valid_records_follow": bool(follows), "later_segments": len(later)})
+    if not mutate:
+        return
+    if not repair:
+        raise CorruptionError(
+            f"WAL {directory} is corrupt at {where}: {why}; valid data follows it, so this is not a torn tail. "
+            f"Committed records may be damaged. Inspect with `postrain wal verify {directory} --json`; "
+            f"open with repair=True to cut the log there (everything after is moved to {directory / TORN_DIR})")
+    buf = path.read_bytes() if buf is None else buf
+    report.repaired = True
+    cut = [(path.name + f"@{offset}", buf[offset:])] if offset > 0 else [(path.name, buf)]
+    for name, data in cut:
+        report.torn_bytes_cut += len(data)
+        report.torn_files.append(str(_keep_aside(directory, name, data)))
+    if offset > 0:
+        _truncate(path, offset)
+    else:
+        path.unlink()
+    for _, p in later if offset > 0 else later[1:]:
+        data = p.read_bytes()
+        report.torn_bytes_cut += len(data)
+        report.torn_files.append(str(_keep_aside(directory, p.name, data)))
+        p.unlink()
+    fsync_dir(directory)

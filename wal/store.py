@@ -1,0 +1,232 @@
+"""Store: one log directory with its token index and environment index, recovery and retention.
+
+TokenWAL and EnvLog are thin façades over a Store; both kinds of record share one log, one mutex
+and one group commit. Retention: after a segment rolls, a background thread looks at the oldest
+sealed segments; a segment with no live record (token records of unfinalized trajectories and
+environment records are live) is deleted; one with a small live fraction has its live records
+copied to the head of the log (committed) and is then deleted. Only the oldest segment is ever
+removed, so a finalize record always outlives the token records it kills.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from wal import codec
+from wal.config import WALConfig
+from wal.envindex import EnvIndex
+from wal.errors import ConflictError, CorruptionError, GapError, WALError
+from wal.index import TokenIndex
+from wal.log import Log
+from wal.types import EnvInvokeRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
+
+
+class Store:
+    def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
+        self.config = config or WALConfig()
+        self.tokens = TokenIndex()
+        self.env = EnvIndex()
+        self._deferred: dict[str, list[TokensRecord]] = {}
+        self.ignored_records = 0
+        self._reclaim_wanted = threading.Event()
+        self._stop = threading.Event()
+        self.log = Log(path, segment_bytes=self.config.segment_bytes, on_record=self._replay, repair=repair,
+                       on_roll=self._reclaim_wanted.set)
+        try:
+            self._finish_replay(repair)
+        except BaseException:
+            self.log.close()
+            raise
+        self.mutex = self.log.mutex
+        self.reclaimed_segments = 0
+        self.copied_records = 0
+        self._reclaim_lock = threading.Lock()
+        self._reclaimer = threading.Thread(target=self._reclaim_loop, name=f"wal-reclaim:{path}", daemon=True)
+        self._reclaimer.start()
+        if len(self.log.segment_list()) > 1:
+            self._reclaim_wanted.set()
+
+    # --- recovery ---
+    def _replay(self, rec: Record) -> None:
+        if isinstance(rec, TokensRecord):
+            if rec.traj_id in self.tokens.finalized:
+                self.ignored_records += 1
+                return
+            traj = self.tokens.trajs.get(rec.traj_id)
+            if rec.start > (traj.length if traj else 0):
+                self._deferred.setdefault(rec.traj_id, []).append(rec)  # a compacted copy arrives after later records
+                return
+            self._replay_tokens(rec)
+        elif isinstance(rec, FinalizeRecord):
+            self.tokens.finalize(rec.traj_id)
+            self._deferred.pop(rec.traj_id, None)
+        elif isinstance(rec, EnvInvokeRecord):
+            self.env.replay("invoke", rec.sandbox_id, rec.seq, rec.request, rec.lsn)
+        elif isinstance(rec, EnvResultRecord):
+            self.env.replay("result", rec.sandbox_id, rec.seq, rec.response, rec.lsn)
+
+    def _replay_tokens(self, rec: TokensRecord) -> None:
+        try:
+            part = self.tokens.new_part(rec.traj_id, rec.start, rec.tokens, rec.logprobs, rec.policy_version)
+        except (ConflictError, GapError) as exc:
+            raise CorruptionError(f"WAL {self.log_dir}: record lsn {rec.lsn} contradicts earlier records: {exc}") from None
+        if part is not None:
+            pos, skip = part
+            self.tokens.apply(rec.traj_id, pos, rec.tokens[skip * 4:], rec.logprobs[skip * 8:], rec.policy_version, rec.lsn)
+
+    @property
+    def log_dir(self):
+        return getattr(self, "log", None) and self.log.directory
+
+    def _finish_replay(self, repair: bool) -> None:
+        for traj_id, recs in self._deferred.items():
+            for rec in sorted(recs, key=lambda r: (r.start, r.lsn)):
+                traj = self.tokens.trajs.get(traj_id)
+                if rec.start > (traj.length if traj else 0):
+                    if not repair:
+                        raise CorruptionError(f"WAL {self.log.directory}: trajectory {traj_id!r} has a hole before position "
+                                              f"{rec.start} (records were lost); open with repair=True to keep its contiguous prefix")
+                    break
+                self._replay_tokens(rec)
+        self._deferred = {}
+        durable = self.log.durable_lsn
+        self.env.finish_replay(durable)
+        for traj in self.tokens.trajs.values():
+            traj.pending.clear()
+            traj.durable_len = traj.length
+
+    # --- writes ---
+    def append_tokens(self, traj_id: str, start: int, tokens, logprobs, policy_version: int) -> int:
+        tok = codec.pack_tokens(tokens)
+        n = len(tok) // 4
+        lp = codec.pack_logprobs(logprobs, n)
+        if not isinstance(policy_version, int) or policy_version < 0:
+            raise codec.CodecError(f"policy_version must be an int >= 0, got {policy_version!r}")
+        if not isinstance(start, int):
+            raise codec.CodecError(f"start must be an int, got {type(start).__name__}")
+        codec._id_bytes(traj_id, "traj_id")
+        step = self.config.max_record_tokens
+        with self.mutex:
+            part = self.tokens.new_part(traj_id, start, tok, lp, policy_version)
+            if part is not None:
+                pos, skip = part
+                while skip < n:
+                    k = min(step, n - skip)
+                    t, l = tok[skip * 4:(skip + k) * 4], lp[skip * 8:(skip + k) * 8]
+                    lsn = self.log.append_locked(lambda lsn: codec.encode_tokens(lsn, traj_id, pos, policy_version, t, l))
+                    self.tokens.apply(traj_id, pos, t, l, policy_version, lsn)
+                    pos, skip = pos + k, skip + k
+            big = self.log.batch_bytes > self.config.max_batch_bytes
+        if big:
+            self.log.commit()
+        return start + n
+
+    def finalize(self, traj_id: str) -> int:
+        codec._id_bytes(traj_id, "traj_id")
+        with self.mutex:
+            if traj_id not in self.tokens.finalized:
+                self.log.append_locked(lambda lsn: codec.encode_finalize(lsn, traj_id))
+                self.tokens.finalize(traj_id)
+        return self.log.commit()
+
+    def env_invoke(self, sandbox_id: str, seq: int, request: bytes) -> int:
+        request = _as_bytes(request, "request")
+        with self.mutex:
+            if self.env.needs_invoke(sandbox_id, seq, request):
+                lsn = self.log.append_locked(lambda lsn: codec.encode_env_invoke(lsn, sandbox_id, seq, request))
+                self.env.apply_invoke(sandbox_id, seq, request, lsn)
+        return self.log.commit()
+
+    def env_result(self, sandbox_id: str, seq: int, response: bytes) -> int:
+        response = _as_bytes(response, "response")
+        with self.mutex:
+            if self.env.needs_result(sandbox_id, seq, response):
+                lsn = self.log.append_locked(lambda lsn: codec.encode_env_result(lsn, sandbox_id, seq, response))
+                self.env.apply_result(sandbox_id, seq, response, lsn)
+        return self.log.commit()
+
+    def commit(self) -> int:
+        return self.log.commit()
+
+    # --- retention ---
+    def _live(self, rec: Record) -> bool:
+        if isinstance(rec, TokensRecord):
+            return rec.traj_id not in self.tokens.finalized
+        return not isinstance(rec, FinalizeRecord)
+
+    def reclaim(self) -> int:
+        """Delete or compact old segments now; returns how many segments were removed."""
+        removed = 0
+        with self._reclaim_lock:
+            with self.mutex:
+                todo = self.log.sealed_segments()
+            for base, path in todo:
+                buf = path.read_bytes()
+                recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
+                with self.mutex:
+                    sealed_bytes = sum(p.stat().st_size for _, p in self.log.sealed_segments())
+                    live = [r for r in recs if self._live(r)]
+                    frames = [codec.encode(r, 0) for r in live]
+                    live_bytes = sum(len(f) for f in frames)
+                    if live and live_bytes > self.config.compact_live_fraction * len(buf) and sealed_bytes <= self.config.retain_bytes:
+                        break
+                    for r in live:
+                        self.log.append_locked(lambda lsn, r=r: codec.encode(r, lsn))
+                    self.copied_records += len(live)
+                if live:
+                    self.log.commit()
+                self.log.delete_oldest(base)
+                with self.mutex:
+                    for r in recs:
+                        if isinstance(r, FinalizeRecord):
+                            self.tokens.finalized.discard(r.traj_id)
+                removed += 1
+                self.reclaimed_segments += 1
+        return removed
+
+    def _reclaim_loop(self) -> None:
+        while not self._stop.is_set():
+            self._reclaim_wanted.wait()
+            self._reclaim_wanted.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.reclaim()
+            except WALError:
+                return  # the log is poisoned or closed; callers see the error themselves
+
+    # --- reads ---
+    def stats(self) -> dict:
+        with self.mutex:
+            trajs = self.tokens.trajs
+            segs = self.log.segment_list()
+            return {
+                "directory": str(self.log.directory),
+                "segments": len(segs),
+                "disk_bytes": self.log.disk_bytes(),
+                "next_lsn": self.log.next_lsn,
+                "durable_lsn": self.log.durable_lsn,
+                "trajectories": len(trajs),
+                "live_tokens": sum(t.length for t in trajs.values()),
+                "finalized_remembered": len(self.tokens.finalized),
+                "sandboxes": len(self.env.sandboxes),
+                "fsyncs": self.log.fsyncs,
+                "bytes_written": self.log.bytes_written,
+                "reclaimed_segments": self.reclaimed_segments,
+                "copied_records": self.copied_records,
+                "recovery": {"torn_bytes_cut": self.log.report.torn_bytes_cut, "torn_files": self.log.report.torn_files,
+                             "repaired": self.log.report.repaired},
+            }
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reclaim_wanted.set()
+        if self._reclaimer.is_alive() and self._reclaimer is not threading.current_thread():
+            self._reclaimer.join(timeout=60)
+        self.log.close()
+
+
+def _as_bytes(data, what: str) -> bytes:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise codec.CodecError(f"{what} must be bytes, got {type(data).__name__}")
+    return bytes(data)

@@ -1,0 +1,84 @@
+"""TokenWAL: the in-process token log (a façade over Store)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from wal import codec
+from wal.base import TokenLog
+from wal.config import WALConfig
+from wal.store import Store
+
+
+class TokenWAL(TokenLog):
+    def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
+        self._store = Store(path, config, repair=repair)
+        self.path = self._store.log.directory
+
+    @property
+    def recovery(self):
+        """What opening found: ScanReport (torn bytes cut, files kept aside, repair)."""
+        return self._store.log.report
+
+    def append(self, traj_id: str, start: int, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int) -> int:
+        return self._store.append_tokens(traj_id, start, tokens, logprobs, policy_version)
+
+    def commit(self) -> int:
+        return self._store.commit()
+
+    def _read(self, traj_id: str):
+        s = self._store
+        with s.mutex:
+            s.log.check_open()
+            traj, n = s.tokens.read(traj_id, s.log.durable_lsn)
+            if traj is None:
+                return b"", b"", []
+            return bytes(traj.tokens[:n * 4]), bytes(traj.logprobs[:n * 8]), traj.versions(0, n)
+
+    def tokens(self, traj_id: str) -> list[int]:
+        return codec.unpack_tokens(self._read(traj_id)[0])
+
+    def logprobs(self, traj_id: str) -> list[float]:
+        return codec.unpack_logprobs(self._read(traj_id)[1])
+
+    def policy_versions(self, traj_id: str) -> list[int]:
+        return self._read(traj_id)[2]
+
+    def read_packed(self, traj_id: str, lo: int = 0, hi: int | None = None) -> tuple[bytes, bytes, list[int]]:
+        """Committed positions lo..hi as (packed int32 tokens, packed float64 log-probs, versions)."""
+        tok, lp, versions = self._read(traj_id)
+        n = len(tok) // 4
+        hi = n if hi is None else min(hi, n)
+        lo = min(max(lo, 0), hi)
+        return tok[lo * 4:hi * 4], lp[lo * 8:hi * 8], versions[lo:hi]
+
+    def length(self, traj_id: str) -> int:
+        """Number of committed tokens (where a resumed decode continues)."""
+        s = self._store
+        with s.mutex:
+            return s.tokens.read(traj_id, s.log.durable_lsn)[1]
+
+    def trajectories(self) -> list[str]:
+        s = self._store
+        with s.mutex:
+            durable = s.log.durable_lsn
+            return sorted(t for t, traj in s.tokens.trajs.items() if traj.settle(durable) > 0)
+
+    def finalize(self, traj_id: str) -> None:
+        self._store.finalize(traj_id)
+
+    def reclaim(self) -> int:
+        """Run retention now (it also runs in the background after each segment roll)."""
+        return self._store.reclaim()
+
+    def envlog(self):
+        """The environment log sharing this WAL's directory and group commit."""
+        from wal.envlog import EnvLog
+
+        return EnvLog(self._store, owns_store=False)
+
+    def stats(self) -> dict:
+        return self._store.stats()
+
+    def close(self) -> None:
+        self._store.close()

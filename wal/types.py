@@ -1,0 +1,77 @@
+"""Records of the log (decoded form) and the small structs the views hand out.
+
+Token ids travel packed as little-endian int32 (`TOKEN_DTYPE`), behaviour log-probs as little-endian
+float64 (`LOGPROB_DTYPE`), so a record never holds one Python object per token.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+TOKEN_DTYPE = "<i4"
+LOGPROB_DTYPE = "<f8"
+TOKEN_BYTES = 4
+LOGPROB_BYTES = 8
+
+# record types (one byte on disk; never renumber)
+TOKENS = 1
+FINALIZE = 2
+ENV_INVOKE = 3
+ENV_RESULT = 4
+RECORD_TYPES = (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT)
+
+
+class TokensRecord(NamedTuple):
+    """`len(tokens) // 4` sampled tokens of `traj_id` at positions start, start+1, …"""
+
+    lsn: int
+    traj_id: str
+    start: int
+    policy_version: int
+    tokens: bytes  # packed TOKEN_DTYPE
+    logprobs: bytes  # packed LOGPROB_DTYPE, one per token
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens) // TOKEN_BYTES
+
+
+class FinalizeRecord(NamedTuple):
+    """The trajectory is safely in the data plane; its token records may be reclaimed."""
+
+    lsn: int
+    traj_id: str
+
+
+class EnvInvokeRecord(NamedTuple):
+    """Tool invocation number `seq` of a sandbox, written before the tool runs."""
+
+    lsn: int
+    sandbox_id: str
+    seq: int
+    request: bytes
+
+
+class EnvResultRecord(NamedTuple):
+    """The result of invocation `seq`, written before the result is exposed."""
+
+    lsn: int
+    sandbox_id: str
+    seq: int
+    response: bytes
+
+
+Record = TokensRecord | FinalizeRecord | EnvInvokeRecord | EnvResultRecord
+
+
+class EnvEntry(NamedTuple):
+    """One durable entry of a sandbox's environment log; `response` is None until the result is logged."""
+
+    seq: int
+    request: bytes
+    response: bytes | None
+
+
+class DurablePosition(NamedTuple):
+    """What a commit acknowledges: every record with lsn <= `lsn` is on disk."""
+
+    lsn: int
