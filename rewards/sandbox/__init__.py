@@ -1,0 +1,11 @@
+"""rewards.sandbox: the tool sandbox service — gRPC, bubblewrap isolation, exactly-once via the env log.
+
+    types.py            limits, run/tool outcomes, error kinds, sandbox id rule
+    config.py           SandboxConfig: bounded settings of the service
+    isolation.py        bubblewrap + prlimit + per-slot uid runner with wall clock and output bounds
+    tools.py            the tools (calc, python, counter) and how a run becomes an outcome with a reason
+    service.py          exactly-once core over the environment log (no gRPC): replay, join, abort, back-pressure
+    server.py           gRPC shell: token auth, message bounds, status codes, SandboxServer
+    client.py           SandboxClient (deadlines, safe retries), SandboxSession (seq keeping, fast-forward)
+    sandbox.proto       the wire and log records; sandbox_pb2*.py are generated from it (grpc_tools.protoc)
+"""

@@ -1,0 +1,34 @@
+"""Typed, bounded configuration of the sandbox service (CLI flags of `postrain sandbox serve` map onto it)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rewards.sandbox.types import Limits
+
+
+class SandboxConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1 unless the service must be reachable from other hosts")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one (printed at start)")
+    log_dir: Path = Field(Path("runs/sandbox"), description="state dir: environment log and counter state (hidden from sandboxes)")
+    max_concurrent: int = Field(8, ge=1, le=256, description="executions running at once (one uid each)")
+    max_queued: int = Field(64, ge=0, le=4096, description="calls waiting for a slot; beyond that RESOURCE_EXHAUSTED at once")
+    queue_wait_s: float = Field(30.0, gt=0, le=600, description="longest wait for a slot before RESOURCE_EXHAUSTED")
+    rpc_threads: int = Field(96, ge=4, le=1024, description="gRPC handler threads (above max_concurrent + max_queued is wasted)")
+    max_request_bytes: int = Field(64 << 10, ge=1 << 10, le=16 << 20, description="largest request message accepted")
+    entries_page: int = Field(256, ge=1, le=4096, description="entries per Entries page (fast-forward)")
+    wall_s: float = Field(5.0, gt=0, le=600, description="wall clock of one execution (a call may ask for less)")
+    cpu_s: int = Field(4, ge=1, le=3600, description="RLIMIT_CPU seconds per process")
+    address_space_mb: int = Field(1024, ge=64, le=1 << 20, description="RLIMIT_AS per process, MiB")
+    processes: int = Field(32, ge=2, le=4096, description="RLIMIT_NPROC per execution (its own uid when run as root)")
+    file_size_mb: int = Field(8, ge=1, le=1 << 20, description="RLIMIT_FSIZE, MiB")
+    tmp_mb: int = Field(32, ge=1, le=1 << 20, description="size of the private /tmp of one execution, MiB")
+    output_bytes: int = Field(64 << 10, ge=1 << 10, le=16 << 20, description="stdout and stderr bound each; beyond: killed")
+
+    def limits(self) -> Limits:
+        return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, address_space_bytes=self.address_space_mb << 20,
+                      processes=self.processes, file_size_bytes=self.file_size_mb << 20,
+                      tmp_bytes=self.tmp_mb << 20, output_bytes=self.output_bytes)

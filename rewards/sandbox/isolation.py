@@ -1,0 +1,215 @@
+"""Run one command isolated: bubblewrap namespaces, rlimits, a dedicated uid, a wall clock, bounded output.
+
+Each execution gets:
+- bubblewrap: read-only root, fresh /dev and /proc, no network (--unshare-net), its own pid, ipc and uts
+  namespaces, a private size-capped tmpfs /tmp, an empty environment (--clearenv), a new session, and
+  death with its parent; the service's state directories are covered by empty tmpfs mounts;
+- rlimits CPU, AS, NPROC, FSIZE set by `prlimit` inside the sandbox (not a preexec_fn: forking a
+  multi-threaded gRPC server and running Python before exec can deadlock);
+- a uid of its own: RLIMIT_NPROC counts tasks per real uid and root ignores it, so when the service runs
+  as root every concurrent execution drops to a distinct unprivileged uid (`setpriv`) taken from a pool;
+  a fork bomb then exhausts only its own uid's budget, never a neighbour's;
+- a wall clock: on expiry or on too much output the whole process group is SIGKILLed; killing
+  bubblewrap's pid-1 reaper takes the pid namespace down with it, and every process still owned by
+  the execution's uid is swept.
+"""
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rewards.sandbox.types import Limits, RunOutcome
+
+UID_BASE = 61000  # execution uids are UID_BASE + slot; chosen far from distribution-assigned ids
+CENSUS_EVERY_S = 0.1  # how often a long run's tasks are counted (peak_tasks)
+
+
+class IsolationUnavailable(RuntimeError):
+    """bubblewrap (or prlimit/setpriv) is missing or cannot create namespaces here."""
+
+
+def bwrap_path() -> str | None:
+    return shutil.which("bwrap")
+
+
+def probe() -> str | None:
+    """None when isolated execution works on this machine, else one line saying why not."""
+    for tool in ("bwrap", "prlimit", "setpriv"):
+        if shutil.which(tool) is None:
+            pkg = "bubblewrap" if tool == "bwrap" else "util-linux"
+            return f"{tool} not found: install it (apt-get install {pkg})"
+    cmd = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net",
+           "--unshare-pid", "--tmpfs", "/tmp", *([] if os.geteuid() == 0 else ["--unshare-user"]), "true"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap cannot run: {exc}"
+    if res.returncode != 0:
+        return f"bwrap cannot create namespaces here: {res.stderr.decode(errors='replace').strip()[:200]}"
+    return None
+
+
+def _covers(parent: Path, child: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def _tasks_of_uid(uid: int) -> list[int]:
+    """Pids of every process whose real uid is `uid` (read from /proc)."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"Uid:"):
+                        if int(line.split()[1]) == uid:
+                            pids.append(int(entry.name))
+                        break
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
+class Isolator:
+    """Builds and runs the bubblewrap command line for one execution.
+
+    `hidden`: host directories the sandbox must not see (state dir, env log, home of the service user);
+    `exposed`: directories under a hidden one that must stay readable (the Python installation).
+    """
+
+    def __init__(self, hidden: list[Path] = (), exposed: list[Path] = ()):
+        reason = probe()
+        if reason is not None:
+            raise IsolationUnavailable(reason)
+        self.bwrap = bwrap_path()
+        self.prlimit = shutil.which("prlimit")
+        self.setpriv = shutil.which("setpriv")
+        self.as_root = os.geteuid() == 0
+        self.hidden = [Path(p).resolve() for p in hidden]
+        self.exposed = [Path(p).resolve() for p in exposed]
+
+    def _mounts(self, limits: Limits) -> list[str]:
+        args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+                "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
+        covered = [Path("/tmp")]
+        for path in sorted(set(self.hidden), key=lambda p: len(p.parts)):
+            if path.is_dir() and not any(_covers(c, path) for c in covered):
+                args += ["--tmpfs", str(path)]
+                covered.append(path)
+        for path in self.exposed:
+            if any(_covers(c, path) and c != path for c in covered) and path.exists():
+                args += ["--ro-bind", str(path), str(path)]
+        return args
+
+    def argv(self, command: list[str], limits: Limits, uid: int) -> list[str]:
+        """The full command line: bwrap [namespaces, mounts] prlimit [limits] [setpriv uid] command."""
+        ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+              "--die-with-parent", "--new-session", "--clearenv",
+              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+              "--setenv", "LANG", "C.UTF-8", "--chdir", "/tmp", "--hostname", "sandbox"]
+        if not self.as_root:
+            ns = ["--unshare-user", *ns]
+        # Non-root: NPROC counts every task of the service user, so the budget sits on top of what runs now.
+        nproc = limits.processes if self.as_root else limits.processes + len(_tasks_of_uid(os.getuid()))
+        # soft < hard: the soft CPU limit delivers SIGXCPU (reported as cpu_limit); hard is the backstop
+        rl = [self.prlimit, f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}", f"--as={limits.address_space_bytes}",
+              f"--nproc={nproc}", f"--fsize={limits.file_size_bytes}", "--core=0", "--"]
+        drop = []
+        if self.as_root:
+            drop = [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                    "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+        return [self.bwrap, *self._mounts(limits), *ns, "--", *rl, *drop, *command]
+
+    def run(self, command: list[str], limits: Limits, slot: int, stdin: bytes = b"") -> RunOutcome:
+        """Run `command` isolated as execution slot `slot` (its uid is UID_BASE + slot)."""
+        uid = UID_BASE + slot
+        start = time.monotonic()
+        deadline = start + limits.wall_s
+        proc = subprocess.Popen(self.argv(command, limits, uid), stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        if stdin:
+            try:
+                proc.stdin.write(stdin)
+            except BrokenPipeError:
+                pass
+            proc.stdin.close()
+        out, err = bytearray(), bytearray()
+        timed_out = exceeded = False
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ, out)
+        sel.register(proc.stderr, selectors.EVENT_READ, err)
+        peak_tasks = 0
+        next_census = start + CENSUS_EVERY_S
+        try:
+            while sel.get_map():
+                now = time.monotonic()
+                if now >= deadline:
+                    timed_out = True
+                    break
+                if self.as_root and now >= next_census:  # long runs only: how close is it to RLIMIT_NPROC?
+                    peak_tasks = max(peak_tasks, len(_tasks_of_uid(uid)))
+                    next_census = now + CENSUS_EVERY_S
+                for key, _ in sel.select(min(deadline, next_census) - now):
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fileobj)
+                        continue
+                    buf = key.data
+                    room = limits.output_bytes - len(buf)
+                    buf += chunk[:max(room, 0)]
+                    if len(chunk) > room:
+                        exceeded = True
+                        break
+                if exceeded:
+                    break
+            if not (timed_out or exceeded):
+                try:
+                    proc.wait(timeout=max(deadline - time.monotonic(), 0.001))
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+        finally:
+            killed = timed_out or exceeded or proc.poll() is None
+            if killed:
+                self._kill(proc)
+            proc.wait()
+            sel.close()
+            proc.stdout.close()
+            proc.stderr.close()
+            # A normal exit needs no sweep: bwrap's pid 1 exits only after the kernel has reaped every other
+            # task of its pid namespace. After a kill that teardown is asynchronous, and the uid is reused next.
+            if killed and self.as_root:
+                self._sweep(uid)
+        wall_ms = int((time.monotonic() - start) * 1000)
+        code = proc.returncode
+        if 128 < code < 128 + 65:  # bwrap's pid 1 reports a child killed by signal N as exit 128 + N
+            code = -(code - 128)
+        return RunOutcome(code, bytes(out), bytes(err), timed_out, exceeded, wall_ms, peak_tasks)
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @staticmethod
+    def _sweep(uid: int) -> None:
+        """Kill whatever still runs as the execution's uid (normally nothing: the pid namespace died)."""
+        for _ in range(50):  # bounded: a task may fork once more between scan and kill
+            pids = _tasks_of_uid(uid)
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.01)
+        print(f"sandbox: uid {uid} still has tasks after sweeping", file=sys.stderr)

@@ -1,0 +1,154 @@
+"""The gRPC shell around SandboxService: shared-secret auth, bounded messages, status codes, serve().
+
+Auth: every RPC carries metadata `authorization: Bearer <token>`; a missing or wrong token is
+UNAUTHENTICATED (compared in constant time). Requests above `max_request_bytes` are refused by gRPC
+itself (RESOURCE_EXHAUSTED) before any handler runs.
+"""
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+import wal
+from wal.errors import ConflictError, GapError, LogClosedError, WALError
+from rewards.sandbox import sandbox_pb2 as pb
+from rewards.sandbox import sandbox_pb2_grpc as pb_grpc
+from rewards.sandbox.config import SandboxConfig
+from rewards.sandbox.isolation import Isolator
+from rewards.sandbox.service import Refused, SandboxService, Slots
+from rewards.sandbox.tools import Toolbox
+
+TOKEN_ENV = "POSTRAIN_SANDBOX_TOKEN"
+TOKEN_FILE = "token"
+RESPONSE_LIMIT_BYTES = 4 << 20
+
+
+def _abort_unauthenticated(request, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong sandbox token (metadata 'authorization: Bearer <token>')")
+
+
+class TokenAuth(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+        self._deny = grpc.unary_unary_rpc_method_handler(_abort_unauthenticated)
+
+    def intercept_service(self, continuation, handler_call_details):
+        got = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(got.encode(), self._expected):
+            return continuation(handler_call_details)
+        return self._deny
+
+
+def _wal_status(exc: WALError) -> grpc.StatusCode:
+    if isinstance(exc, (ConflictError, GapError)):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, LogClosedError):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
+
+
+class Servicer(pb_grpc.SandboxServicer):
+    def __init__(self, service: SandboxService, cfg: SandboxConfig):
+        self.service, self.cfg = service, cfg
+
+    def _run(self, context, fn):
+        try:
+            return fn()
+        except Refused as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        except WALError as exc:
+            context.abort(_wal_status(exc), f"environment log: {type(exc).__name__}: {exc}")
+
+    def Execute(self, request, context):
+        call = request.call
+
+        def go():
+            result, replayed = self.service.execute(request.sandbox_id, request.seq, call.tool, call.args,
+                                                    call.timeout_ms, context.time_remaining)
+            return pb.ExecuteResponse(result=result, replayed=replayed)
+
+        if not request.HasField("call"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request has no call")
+        return self._run(context, go)
+
+    def Entries(self, request, context):
+        def go():
+            views, nxt, more = self.service.entries(request.sandbox_id, request.from_seq)
+            rows = [pb.Entry(seq=v.seq, call=v.call, result=v.result or b"", has_result=v.result is not None,
+                             in_flight=v.in_flight) for v in views]
+            return pb.EntriesResponse(entries=rows, next_seq=nxt, more=more)
+
+        return self._run(context, go)
+
+    def Info(self, request, context):
+        cfg = self.cfg
+        return pb.InfoResponse(tools=self.service.info()["tools"], max_concurrent=cfg.max_concurrent,
+                               max_queued=cfg.max_queued, max_request_bytes=cfg.max_request_bytes,
+                               max_output_bytes=cfg.output_bytes, isolated=self.service.toolbox.isolator is not None)
+
+
+def resolve_token(token: str | None, log_dir: Path) -> str:
+    """The shared secret: --token, else $POSTRAIN_SANDBOX_TOKEN, else LOG_DIR/token (created 0600 if absent)."""
+    token = token or os.environ.get(TOKEN_ENV)
+    if token:
+        return token
+    path = Path(log_dir) / TOKEN_FILE
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+class SandboxServer:
+    """A running service: `.port`, `.stop()`. Owns its env log (opened at LOG_DIR/envlog)."""
+
+    def __init__(self, cfg: SandboxConfig, token: str | None = None):
+        self.cfg = cfg
+        log_dir = Path(cfg.log_dir).resolve()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.token = resolve_token(token, log_dir)
+        python = os.path.realpath(sys.executable)
+        home = Path(os.path.expanduser("~"))
+        self.isolator = Isolator(hidden=[log_dir, home], exposed=[Path(sys.base_prefix), Path(sys.prefix)])
+        self.log = wal.open_envlog(log_dir / "envlog")
+        toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python)
+        self.service = SandboxService(self.log, toolbox, Slots(cfg.max_concurrent, cfg.max_queued, cfg.queue_wait_s),
+                                      cfg.entries_page)
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="sandbox-rpc"),
+            interceptors=[TokenAuth(self.token)],
+            options=[("grpc.max_receive_message_length", cfg.max_request_bytes),
+                     ("grpc.max_send_message_length", RESPONSE_LIMIT_BYTES),
+                     ("grpc.so_reuseport", 0)],
+            maximum_concurrent_rpcs=cfg.max_concurrent + cfg.max_queued + 32,
+        )
+        pb_grpc.add_SandboxServicer_to_server(Servicer(self.service, cfg), self._server)
+        self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+        self._server.start()
+        self._stopped = threading.Event()
+
+    @property
+    def target(self) -> str:
+        return f"{self.cfg.host}:{self.port}"
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._server.stop(grace_s).wait()
+        self.log.close()

@@ -1,0 +1,201 @@
+"""The sandbox service without gRPC: exactly-once tool calls over the per-sandbox environment log.
+
+One call (sandbox_id, seq, ToolCall):
+1. recorded with a result  -> the recorded ToolResult bytes, byte for byte; the tool does not run;
+2. running in this process -> wait for that run (a client retry joins it);
+3. recorded, no result     -> Refused(ABORTED): invoked before a crash, result never recorded; the caller
+                              decides (it is never run twice behind its back);
+4. new (seq == next)       -> take an execution slot (bounded wait, bounded queue: back-pressure before
+                              anything is logged), log the invocation (durable), run the tool, log the
+                              result (durable), only then return it.
+A different call at a recorded seq is a conflict; a seq past the next one is a gap.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Callable, NamedTuple
+
+import wal
+from rewards.sandbox import sandbox_pb2 as pb
+from rewards.sandbox.tools import TOOLS, Toolbox, check_args
+from rewards.sandbox.types import MAX_SEQ, ToolOutcome, valid_sandbox_id
+
+ABORTED_DETAIL = "invoked but no result recorded"
+
+
+class Refused(Exception):
+    """A call the service answers with a gRPC status: `code` is the grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class EntryView(NamedTuple):
+    seq: int
+    call: bytes
+    result: bytes | None
+    in_flight: bool
+
+
+def encode_result(outcome: ToolOutcome) -> bytes:
+    msg = pb.ToolResult(ok=outcome.ok, output=outcome.output, error_kind=outcome.error_kind,
+                        error=outcome.error, exit_code=outcome.exit_code, wall_ms=max(outcome.wall_ms, 0))
+    return msg.SerializeToString(deterministic=True)
+
+
+def encode_call(tool: str, args: str, timeout_ms: int) -> bytes:
+    return pb.ToolCall(tool=tool, args=args, timeout_ms=timeout_ms).SerializeToString(deterministic=True)
+
+
+class Slots:
+    """A bounded pool of execution slots with a bounded queue of waiters (back-pressure)."""
+
+    def __init__(self, n: int, max_queued: int, wait_s: float):
+        self._free = list(range(n - 1, -1, -1))
+        self._cond = threading.Condition()
+        self._waiting = 0
+        self.max_queued, self.wait_s = max_queued, wait_s
+
+    def acquire(self, time_left: float | None) -> int:
+        wait = self.wait_s if time_left is None else min(self.wait_s, time_left)
+        with self._cond:
+            if not self._free:
+                if self._waiting >= self.max_queued:
+                    raise Refused("RESOURCE_EXHAUSTED", f"all execution slots busy and {self._waiting} calls queued; retry later")
+                self._waiting += 1
+                try:
+                    if not self._cond.wait_for(lambda: self._free, timeout=max(wait, 0)):
+                        raise Refused("RESOURCE_EXHAUSTED", f"no execution slot free within {wait:.1f}s; retry later")
+                finally:
+                    self._waiting -= 1
+            return self._free.pop()
+
+    def release(self, slot: int) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._cond.notify()
+
+
+class SandboxService:
+    """Thread-safe; one instance per process owns the environment log at `log`."""
+
+    def __init__(self, log: wal.EnvLog, toolbox: Toolbox, slots: Slots, entries_page: int = 256):
+        self.log, self.toolbox, self.slots = log, toolbox, slots
+        self.entries_page = entries_page
+        self._lock = threading.Lock()  # guards the three dicts below
+        self._sandbox_locks: dict[str, threading.Lock] = {}
+        self._next_seq: dict[str, int] = {}
+        self._inflight: dict[tuple[str, int], Future] = {}
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _sandbox_lock(self, sandbox_id: str) -> threading.Lock:
+        with self._lock:
+            return self._sandbox_locks.setdefault(sandbox_id, threading.Lock())
+
+    def _next(self, sandbox_id: str) -> int:
+        """Next seq of `sandbox_id` (caller holds its lock)."""
+        if sandbox_id not in self._next_seq:
+            entries = self.log.entries(sandbox_id)
+            self._next_seq[sandbox_id] = entries[-1].seq + 1 if entries else 0
+        return self._next_seq[sandbox_id]
+
+    @staticmethod
+    def validate(sandbox_id: str, seq: int, tool: str, args: str) -> None:
+        if not valid_sandbox_id(sandbox_id):
+            raise Refused("INVALID_ARGUMENT", "sandbox_id must match [A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+        if not 0 <= seq < MAX_SEQ:
+            raise Refused("INVALID_ARGUMENT", f"seq must be in [0, {MAX_SEQ})")
+        reason = check_args(tool, args)
+        if reason is not None:
+            raise Refused("INVALID_ARGUMENT", reason)
+
+    def _lookup(self, sandbox_id: str, seq: int, call: bytes):
+        """Under the sandbox lock: ('done', bytes) | ('join', Future) | ('new', None); raises Refused."""
+        entry = self.log.get(sandbox_id, seq)
+        if entry is not None:
+            if entry.request != call:
+                raise Refused("FAILED_PRECONDITION", f"conflict: seq {seq} of sandbox {sandbox_id!r} was invoked with a different call")
+            if entry.response is not None:
+                return "done", entry.response
+            fut = self._inflight.get((sandbox_id, seq))
+            if fut is not None:
+                return "join", fut
+            raise Refused("ABORTED", f"{ABORTED_DETAIL}: seq {seq} of sandbox {sandbox_id!r} was invoked before a "
+                                     "crash and its outcome is unknown; it will not be run again (use the next seq)")
+        nxt = self._next(sandbox_id)
+        if seq != nxt:
+            raise Refused("FAILED_PRECONDITION", f"seq gap: sandbox {sandbox_id!r} expects seq {nxt}, got {seq}")
+        if (sandbox_id, seq - 1) in self._inflight:
+            raise Refused("FAILED_PRECONDITION", f"seq {seq - 1} of sandbox {sandbox_id!r} is still running; calls of one sandbox are sequential")
+        return "new", None
+
+    @staticmethod
+    def _wait(fut: Future, time_left: float | None) -> bytes:
+        try:
+            return fut.result(timeout=time_left)
+        except FutureTimeout:
+            raise Refused("DEADLINE_EXCEEDED", "the call is still running; retry the same (sandbox, seq) to join it") from None
+
+    # -- API -----------------------------------------------------------------------------------------
+    def execute(self, sandbox_id: str, seq: int, tool: str, args: str, timeout_ms: int = 0,
+                time_left: Callable[[], float | None] = lambda: None) -> tuple[bytes, bool]:
+        """(serialized ToolResult, replayed). Raises Refused for every call it does not answer."""
+        self.validate(sandbox_id, seq, tool, args)
+        call = encode_call(tool, args, timeout_ms)
+        lock = self._sandbox_lock(sandbox_id)
+        with lock:
+            state, value = self._lookup(sandbox_id, seq, call)
+        if state == "done":
+            return value, True
+        if state == "join":
+            return self._wait(value, time_left()), False
+        slot = self.slots.acquire(time_left())  # back-pressure before anything is logged
+        try:
+            with lock:
+                state, value = self._lookup(sandbox_id, seq, call)  # it may have changed while we queued
+                if state == "new":
+                    self.log.invoke(sandbox_id, seq, call)  # durable before the tool runs
+                    fut: Future = Future()
+                    self._inflight[(sandbox_id, seq)] = fut
+                    self._next_seq[sandbox_id] = seq + 1
+            if state == "done":
+                return value, True
+            if state == "join":
+                return self._wait(value, time_left()), False
+            try:
+                outcome = self.toolbox.run(tool, args, timeout_ms, slot)
+                result = encode_result(outcome)
+                self.log.result(sandbox_id, seq, result)  # durable before it is returned
+                fut.set_result(result)
+            except BaseException as exc:  # the entry stays without result: ABORTED for later callers
+                fut.set_exception(Refused("INTERNAL", f"tool call or result logging failed: {type(exc).__name__}: {exc}"))
+                raise
+            finally:
+                with lock:
+                    self._inflight.pop((sandbox_id, seq), None)
+            return result, False
+        finally:
+            self.slots.release(slot)
+
+    def entries(self, sandbox_id: str, from_seq: int) -> tuple[list[EntryView], int, bool]:
+        """One page of recorded entries from `from_seq`: (entries, next_seq, more)."""
+        if not valid_sandbox_id(sandbox_id):
+            raise Refused("INVALID_ARGUMENT", "sandbox_id must match [A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+        with self._sandbox_lock(sandbox_id):
+            nxt = self._next(sandbox_id)
+            inflight = {s for (sid, s) in self._inflight if sid == sandbox_id}
+        rows = [e for e in self.log.entries(sandbox_id) if e.seq >= from_seq]
+        page = rows[: self.entries_page]
+        views = [EntryView(e.seq, e.request, e.response, e.seq in inflight) for e in page]
+        return views, nxt, len(rows) > len(page)
+
+    def info(self) -> dict:
+        return {"tools": list(TOOLS), "isolated": self.toolbox.isolator is not None}
+
+
+def time_left_of(deadline: float | None) -> Callable[[], float | None]:
+    return lambda: None if deadline is None else deadline - time.monotonic()

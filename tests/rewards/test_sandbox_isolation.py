@@ -1,0 +1,180 @@
+"""Hostile tool input is contained, reported with its reason, and a concurrent benign call still succeeds.
+
+Real bubblewrap, real gRPC server, real environment log; skipped only where bwrap is absent.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rewards.sandbox import types as T
+from rewards.sandbox.isolation import UID_BASE, _tasks_of_uid, probe
+
+REASON = probe()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"sandbox isolation unavailable: {REASON}")
+
+MAX_CONCURRENT = 4
+PROCESSES = 16
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from rewards.sandbox.config import SandboxConfig
+    from rewards.sandbox.server import SandboxServer
+
+    cfg = SandboxConfig(log_dir=tmp_path_factory.mktemp("sandbox"), max_concurrent=MAX_CONCURRENT, wall_s=5.0,
+                        cpu_s=1, address_space_mb=256, processes=PROCESSES, file_size_mb=4, tmp_mb=16,
+                        output_bytes=32 << 10)
+    srv = SandboxServer(cfg, token="test-token")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from rewards.sandbox.client import SandboxClient
+
+    with SandboxClient(server.target, "test-token", timeout_s=30, retries=0) as c:
+        yield c
+
+
+_ids = iter(range(10**6))
+
+
+def _sid(name: str) -> str:
+    return f"{name}-{next(_ids)}-{os.getpid()}"
+
+
+def _pool_tasks() -> int:
+    return sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(MAX_CONCURRENT))
+
+
+def run_with_benign(client, code: str, timeout_ms: int = 0, start_delay_s: float = 0.3):
+    """Run hostile `code` and, while it runs, a benign calculator call; return (hostile, benign, peak tasks)."""
+    out = {}
+    peak = [0]
+    done = threading.Event()
+
+    def hostile():
+        try:
+            out["hostile"] = client.execute(_sid("hostile"), 0, "python", code, timeout_ms=timeout_ms)
+        finally:
+            done.set()
+
+    def sample():  # peak count of tasks owned by the execution uids while the hostile call runs
+        while not done.is_set():
+            peak[0] = max(peak[0], max(len(_tasks_of_uid(UID_BASE + s)) for s in range(MAX_CONCURRENT)))
+            time.sleep(0.02)
+
+    threads = [threading.Thread(target=hostile), threading.Thread(target=sample)]
+    for t in threads:
+        t.start()
+    time.sleep(start_delay_s)
+    benign = client.execute(_sid("benign"), 0, "calc", "37*41")
+    benign_done_during = not done.is_set()
+    for t in threads:
+        t.join(60)
+    return out["hostile"], benign, peak[0], benign_done_during
+
+
+def _assert_benign(benign):
+    assert benign.result.ok, benign.result
+    assert benign.result.output.strip() == "1517"
+
+
+def test_benign_calls_work(client):
+    res = client.execute(_sid("ok"), 0, "python", "import os; print(os.getuid() >= 61000, sorted(os.environ))")
+    assert res.result.ok, res.result
+    assert res.result.output.strip() == "True ['HOME', 'LANG', 'PATH', 'PWD']"  # clean environment, unprivileged uid
+
+
+def test_fork_bomb_is_contained(client):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    hostile, benign, peak, during = run_with_benign(client, code, timeout_ms=2000)
+    assert not hostile.result.ok
+    assert hostile.result.error_kind == T.PROCESS_LIMIT, hostile.result
+    assert peak <= PROCESSES, f"{peak} tasks under one execution uid, limit {PROCESSES}"
+    assert peak >= PROCESSES // 2, f"the fork bomb never got going (peak {peak}): the test proves nothing"
+    _assert_benign(benign)
+    assert during, "the benign call should finish while the fork bomb is still running"
+    assert _pool_tasks() == 0, "processes of the fork bomb survived its execution"
+
+
+def test_memory_hog_is_contained(client):
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n"
+    hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
+    assert hostile.result.error_kind == T.MEMORY_LIMIT, hostile.result
+    assert "MemoryError" in hostile.result.error
+    _assert_benign(benign)
+
+
+def test_infinite_loop_is_killed_at_the_wall_clock(client):
+    hostile, benign, _, during = run_with_benign(client, "while True:\n    pass\n", timeout_ms=800)
+    assert hostile.result.error_kind == T.TIMEOUT, hostile.result
+    assert hostile.result.exit_code == -9
+    assert 700 <= hostile.result.wall_ms < 3000
+    _assert_benign(benign)
+    assert _pool_tasks() == 0
+
+
+def test_cpu_limit(client):
+    hostile, benign, _, _ = run_with_benign(client, "while True:\n    pass\n", timeout_ms=4500)
+    assert hostile.result.error_kind == T.CPU_LIMIT, hostile.result
+    _assert_benign(benign)
+
+
+def test_network_is_unreachable(client, server):
+    # the service itself listens on 127.0.0.1: reachable from the host, not from inside a sandbox
+    code = ("import socket\n"
+            f"s = socket.create_connection(('127.0.0.1', {server.port}), timeout=2)\n"
+            "print('connected')\n")
+    hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
+    assert not hostile.result.ok and hostile.result.error_kind == T.TOOL_ERROR, hostile.result
+    assert "connected" not in hostile.result.output
+    assert "Errno" in hostile.result.error
+    _assert_benign(benign)
+
+
+def test_writes_outside_tmp_are_refused(client, server, tmp_path):
+    outside = Path(__file__).resolve().parent / f"escape-{os.getpid()}.txt"
+    counter_file = Path(server.cfg.log_dir) / "counters" / "victim"
+    client.execute(_sid("counter"), 0, "counter", "victim")
+    assert counter_file.read_text() == "1"
+    code = ("import os, sys\n"
+            "fails = 0\n"
+            f"for path in [{str(outside)!r}, {str(counter_file)!r}, '/etc/escape']:\n"
+            "    try:\n"
+            "        open(path, 'w').write('999')\n"
+            "    except OSError as exc:\n"
+            "        fails += 1\n"
+            "        print(type(exc).__name__, exc.strerror)\n"
+            "open('/tmp/inside', 'w').write('ok')\n"
+            "print('tmp', open('/tmp/inside').read())\n"
+            "sys.exit(0 if fails == 3 else 1)\n")
+    hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
+    assert hostile.result.ok, hostile.result
+    assert "Read-only file system" in hostile.result.output
+    assert "tmp ok" in hostile.result.output  # its private /tmp is writable
+    assert not outside.exists()
+    assert counter_file.read_text() == "1"  # the service's state is out of reach
+    _assert_benign(benign)
+
+
+def test_huge_output_is_cut_and_killed(client):
+    code = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
+    hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
+    assert hostile.result.error_kind == T.OUTPUT_LIMIT, hostile.result
+    assert len(hostile.result.output) <= 32 << 10
+    _assert_benign(benign)
+    assert _pool_tasks() == 0
+
+
+def test_file_size_limit(client):
+    code = "open('/tmp/big', 'wb').write(b'x' * (8 << 20))\n"
+    hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
+    assert hostile.result.error_kind == T.FILE_SIZE_LIMIT, hostile.result
+    _assert_benign(benign)

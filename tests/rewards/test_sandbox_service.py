@@ -1,0 +1,178 @@
+"""The sandbox service over real gRPC: replay byte for byte, auth, malformed input, back-pressure, retries."""
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from rewards import protocol
+from rewards.sandbox import sandbox_pb2 as pb
+from rewards.sandbox import sandbox_pb2_grpc as pb_grpc
+from rewards.sandbox.client import InvocationAborted, SandboxClient, SandboxRefused, SandboxSession
+from rewards.sandbox.isolation import probe
+
+TOKEN = "service-token"
+needs_bwrap = pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
+
+
+def _server(tmp_path, **kw):
+    from rewards.sandbox.config import SandboxConfig
+    from rewards.sandbox.server import SandboxServer
+
+    return SandboxServer(SandboxConfig(log_dir=tmp_path, **kw), token=TOKEN)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if probe() is not None:
+        pytest.skip(f"sandbox isolation unavailable: {probe()}")
+    srv = _server(tmp_path_factory.mktemp("svc"), max_concurrent=4)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with SandboxClient(server.target, TOKEN, timeout_s=30, retries=0) as c:
+        yield c
+
+
+def _raw_execute(server, token, request, timeout=10):
+    channel = grpc.insecure_channel(server.target)
+    try:
+        stub = pb_grpc.SandboxStub(channel)
+        md = () if token is None else (("authorization", f"Bearer {token}"),)
+        return stub.Execute(request, timeout=timeout, metadata=md)
+    finally:
+        channel.close()
+
+
+def _request(sid="s", seq=0, tool="calc", args="1+1"):
+    return pb.ExecuteRequest(sandbox_id=sid, seq=seq, call=pb.ToolCall(tool=tool, args=args))
+
+
+def test_calc_and_replay_byte_for_byte(client, server):
+    first = client.execute("replay", 0, "calc", "37*41")
+    assert first.result.ok and first.result.output.strip() == "1517" and not first.replayed
+    err = client.execute("replay", 1, "calc", "1/0")
+    assert not err.result.ok and err.result.error == "division by zero" and err.text() == "error: division by zero"
+    count = client.execute("replay", 2, "counter", "replay")
+    again = [client.execute("replay", 0, "calc", "37*41"), client.execute("replay", 1, "calc", "1/0"),
+             client.execute("replay", 2, "counter", "replay")]
+    for original, repeat in zip([first, err, count], again):
+        assert repeat.replayed
+        assert repeat.raw == original.raw  # the recorded bytes, not a re-execution
+    assert server.service.toolbox.read_counter("replay") == 1
+    entries, nxt = client.entries("replay")
+    assert nxt == 3 and [e.seq for e in entries] == [0, 1, 2]
+    assert [e.result.raw for e in entries] == [first.raw, err.raw, count.raw]
+    assert entries[0].call.tool == "calc" and entries[0].call.args == "37*41"
+
+
+def test_session_fast_forward_and_protocol_calls(client):
+    s = SandboxSession(client, "ff")
+    assert s.run_call(protocol.Call("calc", "6*7")) == "42"
+    assert s.call("counter", "ff").result.output == "1"
+    resumed = SandboxSession(client, "ff")  # e.g. a new rollout worker after a preemption
+    history = resumed.fast_forward()
+    assert resumed.next_seq == 2 and [h.result.result.output.strip() for h in history] == ["42", "1"]
+    assert resumed.call("counter", "ff").result.output == "2"
+
+
+def test_conflict_and_gap_are_refused(client):
+    client.execute("cg", 0, "calc", "2+2")
+    with pytest.raises(SandboxRefused) as exc:
+        client.execute("cg", 0, "calc", "2+3")
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION and "conflict" in exc.value.details
+    with pytest.raises(SandboxRefused) as exc:
+        client.execute("cg", 5, "calc", "1")
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION and "expects seq 1" in exc.value.details
+    assert client.entries("cg")[1] == 1  # nothing was logged for the refused calls
+
+
+@pytest.mark.parametrize("token", [None, "wrong", TOKEN + "x", ""])
+def test_bad_auth_is_refused(server, token):
+    with pytest.raises(grpc.RpcError) as exc:
+        _raw_execute(server, token, _request(sid="auth"))
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "token" in exc.value.details()
+    assert server.log.get("auth", 0) is None
+
+
+@pytest.mark.parametrize("request_, code, words", [
+    (_request(sid=""), grpc.StatusCode.INVALID_ARGUMENT, "sandbox_id"),
+    (_request(sid="a b/c"), grpc.StatusCode.INVALID_ARGUMENT, "sandbox_id"),
+    (_request(sid="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "sandbox_id"),
+    (_request(seq=2**63), grpc.StatusCode.INVALID_ARGUMENT, "seq"),
+    (_request(tool="rm"), grpc.StatusCode.INVALID_ARGUMENT, "unknown tool"),
+    (_request(args="1+" * 200), grpc.StatusCode.INVALID_ARGUMENT, "longer than"),
+    (_request(tool="counter", args="../../etc"), grpc.StatusCode.INVALID_ARGUMENT, "NAME"),
+    (_request(tool="python", args="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
+    (pb.ExecuteRequest(sandbox_id="nocall", seq=0), grpc.StatusCode.INVALID_ARGUMENT, "no call"),
+])
+def test_malformed_requests_are_refused(server, request_, code, words):
+    with pytest.raises(grpc.RpcError) as exc:
+        _raw_execute(server, TOKEN, request_)
+    assert exc.value.code() == code
+    assert words in exc.value.details()
+
+
+def test_back_pressure_refuses_before_logging(tmp_path):
+    if probe() is not None:
+        pytest.skip(probe())
+    srv = _server(tmp_path, max_concurrent=1, max_queued=0)
+    try:
+        with SandboxClient(srv.target, TOKEN, retries=0) as c:
+            holder = threading.Thread(target=c.execute, args=("busy", 0, "counter", "bp 1500"))
+            holder.start()
+            time.sleep(0.4)
+            with pytest.raises(SandboxRefused) as exc:
+                c.execute("other", 0, "calc", "1+1")
+            assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert srv.log.get("other", 0) is None  # refused before anything was logged
+            holder.join()
+            # with retries the same call gets through once the slot is free
+            with SandboxClient(srv.target, TOKEN, retries=8, backoff_s=0.1) as patient:
+                assert patient.execute("other", 0, "calc", "1+1").result.output.strip() == "2"
+    finally:
+        srv.stop()
+
+
+def test_client_retry_after_deadline_joins_the_running_call(client, server):
+    # each attempt's deadline (0.3 s) is shorter than the call (1.2 s): the retries must join, not re-run
+    with SandboxClient(server.target, TOKEN, timeout_s=0.3, retries=20, backoff_s=0.05) as impatient:
+        res = impatient.execute("join", 0, "counter", "join 1200")
+    assert res.result.ok and res.result.output == "1"
+    assert server.service.toolbox.read_counter("join") == 1
+    assert client.execute("join", 0, "counter", "join 1200").raw == res.raw
+
+
+def test_info(client):
+    info = client.info()
+    assert list(info.tools) == ["calc", "python", "counter"] and info.isolated and info.max_concurrent == 4
+
+
+def test_aborted_is_reported_not_rerun(tmp_path):
+    """An invocation logged without result (as after a crash) is ABORTED, never run."""
+    if probe() is not None:
+        pytest.skip(probe())
+    import wal
+    from rewards.sandbox.service import encode_call
+
+    log = wal.open_envlog(tmp_path / "envlog")
+    log.invoke("crashed", 0, encode_call("counter", "ab", 0))
+    log.close()
+    srv = _server(tmp_path)
+    try:
+        with SandboxClient(srv.target, TOKEN, retries=3) as c:
+            with pytest.raises(InvocationAborted) as exc:
+                c.execute("crashed", 0, "counter", "ab")
+            assert exc.value.code == grpc.StatusCode.ABORTED and "invoked but no result recorded" in exc.value.details
+            assert srv.service.toolbox.read_counter("ab") == 0
+            entries, nxt = c.entries("crashed")
+            assert nxt == 1 and entries[0].result is None and not entries[0].in_flight
+            assert c.execute("crashed", 1, "counter", "ab").result.output == "1"  # the caller moved on
+    finally:
+        srv.stop()
