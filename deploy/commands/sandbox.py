@@ -39,10 +39,14 @@ def run(args) -> int:
     except ValidationError as exc:
         err = exc.errors()[0]
         raise UserError(f"bad sandbox option {err['loc'][0]}: {err['msg']}") from None
+    from wal.errors import WALError
+
     try:
         server = SandboxServer(cfg, token=args.token)
     except IsolationUnavailable as exc:
         raise UserError(f"sandbox isolation unavailable: {exc}") from None
+    except WALError as exc:
+        raise UserError(f"environment log under {cfg.log_dir}: {exc}") from None
     except OSError as exc:
         raise UserError(f"cannot start the sandbox service on {cfg.host}:{cfg.port}: {exc}") from None
     signal.signal(signal.SIGTERM, lambda *_: server.stop())

@@ -7,5 +7,6 @@
     service.py          exactly-once core over the environment log (no gRPC): replay, join, abort, back-pressure
     server.py           gRPC shell: token auth, message bounds, status codes, SandboxServer
     client.py           SandboxClient (deadlines, safe retries), SandboxSession (seq keeping, fast-forward)
+    launch.py           ServerProcess: `postrain sandbox serve` as a child process (tests, benchmark)
     sandbox.proto       the wire and log records; sandbox_pb2*.py are generated from it (grpc_tools.protoc)
 """

@@ -1,0 +1,129 @@
+"""The non-idempotent counter runs exactly once per call across client retries, SIGKILL and restart.
+
+The service runs as a real child process (`postrain sandbox serve`) and is killed with SIGKILL.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+
+from rewards.sandbox.client import InvocationAborted, SandboxClient
+from rewards.sandbox.isolation import probe
+from rewards.sandbox.launch import ServerProcess
+
+TOKEN = "exactly-once"
+pytestmark = pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
+
+
+def _counter(log_dir) -> int:
+    path = log_dir / "counters" / "c"
+    return int(path.read_text()) if path.exists() else 0
+
+
+def _wait_in_flight(client: SandboxClient, sandbox_id: str, seq: int, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        entries, _ = client.entries(sandbox_id)
+        if any(e.seq == seq and e.in_flight for e in entries):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"seq {seq} never became in flight")
+
+
+def test_counter_exactly_once_across_retries_sigkill_and_restart(tmp_path):
+    log_dir = tmp_path / "svc"
+    srv = ServerProcess(log_dir, TOKEN)
+    port = srv.port
+    client = SandboxClient(srv.target, TOKEN, timeout_s=10, retries=40, backoff_s=0.05)
+    try:
+        # 1. three calls complete
+        done = [client.execute("traj", seq, "counter", "c") for seq in range(3)]
+        assert [r.result.output for r in done] == ["1", "2", "3"] and _counter(log_dir) == 3
+
+        # 2. SIGKILL after they completed; after restart every retry is a byte-identical replay
+        srv.kill()
+        srv = ServerProcess(log_dir, TOKEN, port=port)
+        for seq, first in enumerate(done):
+            again = client.execute("traj", seq, "counter", "c")
+            assert again.replayed and again.raw == first.raw
+        assert _counter(log_dir) == 3
+
+        # 3. SIGKILL mid-call (invocation durable, tool holding before its increment): the client's
+        #    retries reach the restarted service, which reports the call as aborted and never re-runs it
+        outcome = {}
+
+        def caller():
+            try:
+                outcome["result"] = client.execute("traj", 3, "counter", "c 5000")
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = exc
+
+        t = threading.Thread(target=caller)
+        t.start()
+        _wait_in_flight(client, "traj", 3)
+        srv.kill()
+        srv = ServerProcess(log_dir, TOKEN, port=port)
+        t.join(60)
+        assert isinstance(outcome.get("error"), InvocationAborted), outcome
+        assert outcome["error"].code == grpc.StatusCode.ABORTED
+        assert "invoked but no result recorded" in outcome["error"].details
+        assert _counter(log_dir) == 3  # killed during the hold: never incremented, and not run again
+        with pytest.raises(InvocationAborted):
+            client.execute("traj", 3, "counter", "c 5000")
+        assert _counter(log_dir) == 3
+
+        # 4. the service is down when the call is made: the client retries until it is back, once
+        srv.kill()
+        restarted = {}
+        restarter = threading.Timer(0.8, lambda: restarted.setdefault("srv", ServerProcess(log_dir, TOKEN, port=port)))
+        restarter.start()
+        res = client.execute("traj", 4, "counter", "c")
+        restarter.join()
+        srv = restarted["srv"]
+        assert res.result.output == "4" and not res.replayed
+        assert client.execute("traj", 4, "counter", "c").raw == res.raw
+        assert _counter(log_dir) == 4
+
+        # the log tells the whole story: four results, one invocation without result
+        entries, nxt = client.entries("traj")
+        assert nxt == 5
+        assert [e.result.result.output if e.result else None for e in entries] == ["1", "2", "3", None, "4"]
+    finally:
+        client.close()
+        srv.kill()
+
+
+def test_sigkill_takes_running_sandboxes_down(tmp_path):
+    """A killed service leaves no sandboxed process behind (bwrap --die-with-parent + pid namespace)."""
+    from rewards.sandbox.isolation import UID_BASE, _tasks_of_uid
+
+    if os.geteuid() != 0:
+        pytest.skip("per-slot uids (and this census of them) exist only when the service runs as root")
+    srv = ServerProcess(tmp_path / "svc", TOKEN, extra=["--max-concurrent", "2"])
+    client = SandboxClient(srv.target, TOKEN, timeout_s=10, retries=0)
+
+    def call():
+        try:
+            client.execute("loop", 0, "python", "while True: pass")
+        except Exception:  # noqa: BLE001 - UNAVAILABLE when the service dies
+            pass
+
+    t = threading.Thread(target=call)
+    try:
+        t.start()
+        _wait_in_flight(client, "loop", 0)
+        time.sleep(0.3)
+        assert sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(2)) >= 1  # the loop runs as a slot uid
+        srv.kill()
+        t.join(30)
+        deadline = time.monotonic() + 5
+        while sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(2)) == 0
+    finally:
+        client.close()
+        srv.kill()
