@@ -1,0 +1,204 @@
+"""Trajectory catalog on SQLAlchemy 2: runs, policy versions, shards and trajectories' light metadata.
+One class for every backend; the backend module (`sqlite`, `postgres`) supplies the engine, the
+bytewise collation and insert-or-ignore. The schema version is checked at open."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+from sqlalchemy import collate, delete, func, inspect, select, update
+from sqlalchemy.exc import IntegrityError, OperationalError
+
+from dataplane import postgres, sqlite
+from dataplane.errors import BadRecordError, DataPlaneError, SchemaVersionError
+from dataplane.schema import SCHEMA_VERSION, meta, metadata, policy_versions, runs, shards, trajectories
+from dataplane.types import STATUSES, Selection
+
+T = trajectories
+
+
+def backend_for(url: str):
+    if url.startswith("sqlite"):
+        return sqlite
+    if url.startswith(("postgresql", "postgres")):
+        return postgres
+    raise DataPlaneError(f"catalog URL {url!r}: expected sqlite:///PATH, a file path, or postgresql://...")
+
+
+def normalize_url(url: str | Path) -> str:
+    url = str(url)
+    if "://" not in url:  # a bare path means an embedded SQLite file
+        return f"sqlite:///{Path(url).resolve()}"
+    return postgres.normalize_url(url) if url.startswith(("postgresql", "postgres")) else url
+
+
+class Catalog:
+    def __init__(self, url: str | Path, namespace: str | None = None, create: bool = True):
+        self.url = normalize_url(url)
+        self.namespace = namespace
+        self.backend = backend_for(self.url)
+        try:
+            self.engine = self.backend.make_engine(self.url, namespace)
+            self._check_schema(create)
+        except OperationalError as exc:
+            raise DataPlaneError(f"catalog {self._safe_url()}: cannot open: {exc.orig}") from None
+
+    def _safe_url(self) -> str:
+        return self.url.split("@")[-1] if "@" in self.url else self.url
+
+    def _check_schema(self, create: bool) -> None:
+        if not inspect(self.engine).has_table(meta.name):
+            if not create:
+                raise DataPlaneError(f"catalog {self._safe_url()} is empty (no data-plane schema)")
+            metadata.create_all(self.engine)
+            with self.engine.begin() as conn:
+                self.backend_insert_ignore(conn, meta, [{"key": "schema_version", "value": str(SCHEMA_VERSION)}])
+        with self.engine.connect() as conn:
+            found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        if found != str(SCHEMA_VERSION):
+            raise SchemaVersionError(f"catalog {self._safe_url()} has schema version {found!r}; this postrain reads "
+                                     f"version {SCHEMA_VERSION}: use a fresh catalog or migrate it")
+
+    def backend_insert_ignore(self, conn, table, rows: list[dict]) -> None:
+        if rows:
+            conn.execute(self.backend.insert_ignore(table), rows)
+
+    def _c(self, col):
+        return collate(col, self.backend.COLLATION)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- write ---------------------------------------------------------------------------------------
+    def insert_shard(self, shard_row: dict, traj_rows: list[dict]) -> int:
+        """One transaction: the shard and all its trajectories become visible together, or none do."""
+        now = time.time()
+        run_names = sorted({shard_row["run"], *(r["run"] for r in traj_rows)})
+        versions = sorted({(r["run"], v) for r in traj_rows for v in (r["policy_min"], r["policy_max"])})
+        try:
+            with self.engine.begin() as conn:
+                self.backend_insert_ignore(conn, runs, [{"name": n, "created_at": now} for n in run_names])
+                self.backend_insert_ignore(conn, policy_versions, [
+                    {"run": r, "version": v, "created_at": now, "checkpoint": None} for r, v in versions])
+                shard_id = conn.execute(shards.insert().returning(shards.c.id),
+                                        {**shard_row, "created_at": now}).scalar_one()
+                conn.execute(T.insert(), [{**r, "shard_id": shard_id, "created_at": now} for r in traj_rows])
+        except IntegrityError as exc:
+            ids = [r["id"] for r in traj_rows]
+            with self.engine.connect() as conn:
+                taken = conn.execute(select(T.c.id).where(T.c.id.in_(ids[:10000]))).scalars().all()
+            what = f"trajectory ids already in the catalog: {sorted(taken)[:5]}" if taken else str(exc.orig)
+            raise BadRecordError(f"put rejected, nothing made visible: {what}") from None
+        return int(shard_id)
+
+    def publish_policy_version(self, run: str, version: int, checkpoint: str | None) -> None:
+        now = time.time()
+        with self.engine.begin() as conn:
+            self.backend_insert_ignore(conn, runs, [{"name": run, "created_at": now}])
+            self.backend_insert_ignore(conn, policy_versions, [
+                {"run": run, "version": version, "created_at": now, "checkpoint": checkpoint}])
+            conn.execute(update(policy_versions).where(policy_versions.c.run == run, policy_versions.c.version == version)
+                         .values(checkpoint=checkpoint))
+
+    def set_status(self, ids: list[str], status: str) -> int:
+        if status not in STATUSES:
+            raise DataPlaneError(f"status {status!r}: expected one of {STATUSES}")
+        with self.engine.begin() as conn:
+            return conn.execute(update(T).where(T.c.id.in_(ids)).values(status=status)).rowcount
+
+    def delete(self, ids: list[str]) -> int:
+        with self.engine.begin() as conn:
+            return conn.execute(delete(T).where(T.c.id.in_(ids))).rowcount
+
+    def drop_empty_shards(self) -> list[str]:
+        """Forget shards no trajectory points at; returns their paths (the caller deletes the files)."""
+        with self.engine.begin() as conn:
+            empty = conn.execute(select(shards.c.id, shards.c.path).where(
+                ~select(T.c.seq).where(T.c.shard_id == shards.c.id).exists())).all()
+            if empty:
+                conn.execute(delete(shards).where(shards.c.id.in_([i for i, _ in empty])))
+        return [p for _, p in empty]
+
+    # -- read ----------------------------------------------------------------------------------------
+    def _where(self, run, domain, status, policy_min, policy_max, teacher):
+        conds = []
+        for col, val in ((T.c.run, run), (T.c.domain, domain), (T.c.status, status), (T.c.teacher_id, teacher)):
+            if val is None:
+                continue
+            vals = [val] if isinstance(val, str) else list(val)
+            conds.append(col.in_(vals))
+        if policy_min is not None:
+            conds.append(T.c.policy_min >= int(policy_min))
+        if policy_max is not None:
+            conds.append(T.c.policy_max <= int(policy_max))
+        return conds
+
+    def select(self, run=None, domain=None, status=("complete",), policy_min=None, policy_max=None,
+               teacher=None) -> Selection:
+        """Light metadata of matching trajectories in bytewise (run, group, id) order: members of a group are
+        adjacent and group codes nondecreasing; group and teacher codes are dense."""
+        if status is not None:
+            for s in [status] if isinstance(status, str) else status:
+                if s not in STATUSES:
+                    raise DataPlaneError(f"status {s!r}: expected one of {STATUSES}")
+        conds = self._where(run, domain, status, policy_min, policy_max, teacher)
+        tkey = func.coalesce(T.c.teacher_id, "")
+        stmt = (select(T.c.id, T.c.seq, T.c.length,
+                       func.dense_rank().over(order_by=[self._c(T.c.run), self._c(T.c.group_id)]),
+                       func.dense_rank().over(order_by=self._c(tkey)),
+                       T.c.reward, T.c.policy_min, T.c.policy_max, T.c.shard_id, T.c.row, T.c.checksum, tkey)
+                .where(*conds).order_by(self._c(T.c.run), self._c(T.c.group_id), self._c(T.c.id)))
+        with self.engine.connect() as conn:
+            rows = conn.execute(stmt).all()
+            shard_ids = sorted({r[8] for r in rows})
+            paths = dict(conn.execute(select(shards.c.id, shards.c.path).where(shards.c.id.in_(shard_ids))).all()) \
+                if shard_ids else {}
+        n = len(rows)
+        cols = list(zip(*rows)) if rows else [()] * 12
+        teacher_names: dict[int, str] = {}
+        for code, name in zip(cols[4], cols[11]):
+            teacher_names.setdefault(code, name)
+        shard_index = {sid: i for i, sid in enumerate(shard_ids)}
+        return Selection(
+            ids=np.array(cols[0], dtype=str) if n else np.zeros(0, dtype="<U1"),
+            seq=np.array(cols[1], dtype=np.int64), length=np.array(cols[2], dtype=np.int64),
+            group=np.array(cols[3], dtype=np.int64) - 1, teacher=np.array(cols[4], dtype=np.int64) - 1,
+            reward=np.array(cols[5], dtype=np.float64), policy_min=np.array(cols[6], dtype=np.int64),
+            policy_max=np.array(cols[7], dtype=np.int64),
+            shard=np.array([shard_index[s] for s in cols[8]], dtype=np.int64),
+            row=np.array(cols[9], dtype=np.int64), checksum=np.array(cols[10], dtype=np.uint32),
+            shard_paths=[paths[s] for s in shard_ids],
+            teachers=[teacher_names[c] for c in sorted(teacher_names)],
+        )
+
+    def existing_ids(self, ids: list[str], chunk: int = 5000) -> set[str]:
+        found: set[str] = set()
+        with self.engine.connect() as conn:
+            for i in range(0, len(ids), chunk):
+                found.update(conn.execute(select(T.c.id).where(T.c.id.in_(ids[i:i + chunk]))).scalars())
+        return found
+
+    def shard_rows(self) -> list[tuple[int, str, int, int, int]]:
+        with self.engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(select(shards.c.id, shards.c.path, shards.c.rows, shards.c.bytes,
+                                                          shards.c.checksum).order_by(shards.c.id)).all()]
+
+    def stats(self) -> dict:
+        with self.engine.connect() as conn:
+            by = conn.execute(select(T.c.run, T.c.domain, T.c.status, func.count(), func.sum(T.c.length),
+                                     func.max(T.c.length), func.min(T.c.policy_min), func.max(T.c.policy_max),
+                                     func.avg(T.c.reward))
+                              .group_by(T.c.run, T.c.domain, T.c.status)
+                              .order_by(T.c.run, T.c.domain, T.c.status)).all()
+            n_shards, shard_bytes = conn.execute(select(func.count(), func.coalesce(func.sum(shards.c.bytes), 0))).one()
+            n_runs = conn.execute(select(func.count()).select_from(runs)).scalar_one()
+            n_versions = conn.execute(select(func.count()).select_from(policy_versions)).scalar_one()
+        groups = [{"run": r, "domain": d, "status": s, "trajectories": int(c), "tokens": int(t or 0),
+                   "max_length": int(m or 0), "policy_min": int(pmin), "policy_max": int(pmax),
+                   "mean_reward": float(rw) if rw is not None else None}
+                  for r, d, s, c, t, m, pmin, pmax, rw in by]
+        return {"catalog": self._safe_url(), "schema_version": SCHEMA_VERSION, "runs": int(n_runs),
+                "policy_versions": int(n_versions), "shards": int(n_shards), "shard_bytes": int(shard_bytes),
+                "trajectories": sum(g["trajectories"] for g in groups), "tokens": sum(g["tokens"] for g in groups),
+                "by_run_domain_status": groups}

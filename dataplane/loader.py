@@ -1,0 +1,159 @@
+"""Streaming loader: iterate a plan one minibatch at a time for one rank, reading only the rows and
+token ranges it names (memory-mapped, zero-copy until packing), into packed torch tensors. A background
+thread builds the next minibatch; at most `prefetch` + 1 minibatches are alive (the one in use and the
+ones ahead), and each shard map is closed as soon as its rows are copied, so peak memory stays near
+two minibatches whatever the dataset size."""
+from __future__ import annotations
+
+import queue
+import threading
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from dataplane.codec import CORE_DTYPES, EXTRA_PREFIX, decode, row_checksum
+from dataplane.errors import ChecksumError, DataPlaneError, StaleRowError
+from dataplane.store import ShardStore
+from dataplane.types import Batch, Plan
+
+_END = object()
+
+
+class _Failure:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+def _tensor(arr: np.ndarray, logical: str) -> torch.Tensor:
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if logical == "bfloat16" else t
+
+
+class Loader:
+    """`for batch in Loader(plan, store, rank=r): ...` yields a `Batch` per minibatch (empty for a rank
+    that holds no segment in that minibatch)."""
+
+    def __init__(self, plan: Plan, store: ShardStore | None = None, rank: int = 0, prefetch: int = 1,
+                 verify: bool = True, extras: tuple[str, ...] | list[str] = (), minibatches=None):
+        if not 0 <= rank < plan.ranks:
+            raise DataPlaneError(f"rank {rank} not in plan with {plan.ranks} ranks")
+        if prefetch < 0 or prefetch > 8:
+            raise DataPlaneError(f"prefetch {prefetch}: expected 0..8 minibatches ahead")
+        self.plan, self.rank, self.prefetch, self.verify = plan, rank, prefetch, verify
+        self.store = store or ShardStore(plan.store_root)
+        self.extras = tuple(extras)
+        self.minibatches = list(range(plan.num_minibatches) if minibatches is None else minibatches)
+        self.bytes_read = 0
+        self._stop = threading.Event()
+
+    def __len__(self) -> int:
+        return len(self.minibatches)
+
+    # -- one minibatch ---------------------------------------------------------------------------------
+    def build(self, m: int) -> Batch:
+        p = self.plan
+        sl = p.bin(m, self.rank)
+        traj, start, stop = p.seg_traj[sl], p.seg_start[sl], p.seg_stop[sl]
+        seg_len = stop - start
+        n_tok = int(seg_len.sum())
+        cu = np.concatenate([[0], np.cumsum(seg_len)]).astype(np.int32)
+        ids = np.empty(n_tok, dtype=np.int64)
+        mask = np.empty(n_tok, dtype=np.uint8)
+        logp = np.empty(n_tok, dtype=np.float32)
+        outs = {"tokens": ids, "loss_mask": mask, "logprobs": logp}
+        logical: dict[str, str] = {}
+        by_shard = defaultdict(list)
+        for k, t in enumerate(traj.tolist()):
+            by_shard[int(p.shard[t])].append(k)
+        bytes_read = 0
+        for s, ks in sorted(by_shard.items()):
+            rel = p.shard_paths[s]
+            with self.store.open(rel, who=f"trajectory {p.ids[traj[ks[0]]]!r}") as rb:
+                id_col, cols = decode(rb)
+                for name in self.extras:
+                    if EXTRA_PREFIX + name not in cols:
+                        raise DataPlaneError(f"trajectory {p.ids[traj[ks[0]]]!r}: shard file {self.store.full_path(rel)} "
+                                             f"has no extra field {name!r} (has {sorted(c[2:] for c in cols if c.startswith(EXTRA_PREFIX))})")
+                    col = cols[EXTRA_PREFIX + name]
+                    if name not in outs:
+                        outs[name] = np.empty((n_tok, *col.spec.shape), dtype=col.spec.dtype)
+                        logical[name] = col.spec.logical
+                    elif outs[name].shape[1:] != col.spec.shape or outs[name].dtype != col.spec.dtype:
+                        raise DataPlaneError(f"extra {name!r} is {col.spec.dtype}{col.spec.shape} in {rel} but "
+                                             f"{outs[name].dtype}{outs[name].shape[1:]} elsewhere in minibatch {m}")
+                wanted = [(outs[n], cols[n if n in CORE_DTYPES else EXTRA_PREFIX + n]) for n in outs]
+                n_rows = len(id_col)
+                for k in ks:
+                    t = int(traj[k])
+                    row, tid = int(p.row[t]), p.ids[t]
+                    where = f"trajectory {tid!r} (shard file {self.store.full_path(rel)}, row {row})"
+                    if row >= n_rows or id_col[row].as_py() != tid:
+                        raise StaleRowError(f"{where}: the shard no longer holds it there; re-plan from the catalog")
+                    off = cols["tokens"].offsets
+                    base, full = int(off[row]), int(off[row + 1] - off[row])
+                    if full != int(p.length[t]):
+                        raise StaleRowError(f"{where}: holds {full} tokens, the plan says {int(p.length[t])}")
+                    if self.verify and start[k] == 0:
+                        got = row_checksum([c.values[c.offsets[row]:c.offsets[row + 1]] for c in cols.values()])
+                        bytes_read += sum(c.values[c.offsets[row]:c.offsets[row + 1]].nbytes for c in cols.values())
+                        if got != int(p.checksum[t]):
+                            raise ChecksumError(f"{where}: checksum {got:#010x} != recorded {int(p.checksum[t]):#010x}: "
+                                                "the shard is corrupt; restore it or drop the trajectory")
+                    a, b = int(cu[k]), int(cu[k + 1])
+                    for out, col in wanted:
+                        src = col.values[base + int(start[k]):base + int(stop[k])]
+                        np.copyto(out[a:b], src, casting="unsafe")
+                        bytes_read += src.nbytes
+                del wanted, cols, id_col, rb  # drop every view of the map before it closes
+        pos = np.arange(n_tok, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64) - start, seg_len)
+        self.bytes_read += bytes_read
+        return Batch(
+            minibatch=m, rank=self.rank, input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(pos),
+            cu_seqlens=torch.from_numpy(cu), loss_mask=torch.from_numpy(mask.view(np.bool_)),
+            logprobs=torch.from_numpy(logp), extras={n: _tensor(outs[n], logical[n]) for n in self.extras},
+            traj_ids=[str(x) for x in p.ids[traj]], seg_start=start, seg_stop=stop, traj_length=p.length[traj],
+            reward=p.reward[traj], group=p.group[traj], teacher=[p.teachers[i] if p.teachers else "" for i in p.teacher[traj]],
+            bytes_read=bytes_read)
+
+    # -- iteration ---------------------------------------------------------------------------------------
+    def __iter__(self):
+        if self.prefetch == 0:
+            for m in self.minibatches:
+                yield self.build(m)
+            return
+        self._stop.clear()
+        q: queue.Queue = queue.Queue()
+        slots = threading.Semaphore(self.prefetch + 1)  # built and not yet released: in use + ahead
+
+        def work():
+            try:
+                for m in self.minibatches:
+                    while not slots.acquire(timeout=0.05):
+                        if self._stop.is_set():
+                            return
+                    if self._stop.is_set():
+                        return
+                    q.put(self.build(m))
+                q.put(_END)
+            except BaseException as exc:  # handed to the consumer, raised there
+                q.put(_Failure(exc))
+
+        worker = threading.Thread(target=work, name="dataplane-prefetch", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = q.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.exc
+                yield item
+                del item  # released: the consumer asked for the next one
+                slots.release()
+        finally:
+            self._stop.set()
+            worker.join(timeout=30)
+
+    def close(self) -> None:
+        self._stop.set()

@@ -1,0 +1,159 @@
+"""DataPlane: the catalog and the shard store together. `put` makes a trajectory visible only after its
+shard is durable (shard first, then one catalog transaction); `select` / `plan` read metadata only;
+`loader` streams heavy fields per minibatch."""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from dataplane import codec, planner
+from dataplane.catalog import Catalog
+from dataplane.errors import BadRecordError, StaleRowError
+from dataplane.loader import Loader
+from dataplane.store import ShardStore
+from dataplane.types import STATUSES, Plan, Selection, TrajectoryRecord
+
+
+def _row_bytes(rec: TrajectoryRecord) -> int:
+    extra = sum(getattr(v, "nbytes", 0) or np.asarray(v).nbytes for v in rec.extras.values())
+    return rec.length * 9 + extra
+
+
+class DataPlane:
+    def __init__(self, catalog: Catalog, store: ShardStore, shard_bytes: int = 256 << 20):
+        self.catalog, self.store, self.shard_bytes = catalog, store, int(shard_bytes)
+
+    # -- write ---------------------------------------------------------------------------------------
+    def put(self, records: list[TrajectoryRecord]) -> list[str]:
+        """Store finished trajectories: shard files first (atomic, fsynced), then one catalog transaction
+        per shard. Returns the shard paths written. A crash in between leaves an orphan file (see `gc`),
+        never a half-visible trajectory; a rejected record makes nothing of its shard visible."""
+        records = list(records)
+        seen: set[str] = set()
+        for r in records:
+            if not isinstance(r, TrajectoryRecord):
+                raise BadRecordError(f"put expects TrajectoryRecord, got {type(r).__name__}")
+            if r.id in seen:
+                raise BadRecordError(f"trajectory {r.id!r} appears twice in one put")
+            seen.add(r.id)
+            if r.status not in STATUSES:
+                raise BadRecordError(f"trajectory {r.id!r}: status {r.status!r} not in {STATUSES}")
+            if not (0 <= r.policy_min <= r.policy_max):
+                raise BadRecordError(f"trajectory {r.id!r}: policy range [{r.policy_min}, {r.policy_max}] is not ordered")
+            if not np.isfinite(r.reward):
+                raise BadRecordError(f"trajectory {r.id!r}: reward {r.reward} is not finite")
+        chunks, by_run = [], defaultdict(list)
+        for r in records:
+            by_run[r.run].append(r)
+        for run, recs in by_run.items():  # one run per shard; shards near `shard_bytes`
+            cur, size = [], 0
+            for r in recs:
+                if cur and size + _row_bytes(r) > self.shard_bytes:
+                    chunks.append((run, cur))
+                    cur, size = [], 0
+                cur.append(r)
+                size += _row_bytes(r)
+            if cur:
+                chunks.append((run, cur))
+        paths = []
+        for run, recs in chunks:
+            batch, checksums = codec.encode(recs)
+            rel = self.store.new_path(run)
+            nbytes, crc = self.store.write(rel, batch)
+            del batch
+            rows = [{"id": r.id, "run": r.run, "domain": r.domain, "prompt": r.prompt, "group_id": r.group_id,
+                     "length": r.length, "policy_min": int(r.policy_min), "policy_max": int(r.policy_max),
+                     "reward": float(r.reward), "status": r.status, "teacher_id": r.teacher_id, "row": i,
+                     "checksum": c} for i, (r, c) in enumerate(zip(recs, checksums))]
+            try:
+                self.catalog.insert_shard({"path": rel, "run": run, "rows": len(recs), "bytes": nbytes,
+                                           "checksum": crc}, rows)
+            except BaseException:
+                self.store.delete(rel)  # never visible; leave no orphan behind when we can help it
+                raise
+            paths.append(rel)
+        return paths
+
+    def publish_policy_version(self, run: str, version: int, checkpoint: str | None = None) -> None:
+        self.catalog.publish_policy_version(run, version, checkpoint)
+
+    def set_status(self, ids: list[str], status: str) -> int:
+        return self.catalog.set_status(list(ids), status)
+
+    def delete(self, ids: list[str]) -> int:
+        """Forget trajectories (their bytes go when `gc` finds their shard empty)."""
+        return self.catalog.delete(list(ids))
+
+    # -- read ----------------------------------------------------------------------------------------
+    def select(self, run=None, domain=None, status=("complete",), policy_min=None, policy_max=None,
+               teacher=None) -> Selection:
+        return self.catalog.select(run=run, domain=domain, status=status, policy_min=policy_min,
+                                   policy_max=policy_max, teacher=teacher)
+
+    def plan(self, selection: Selection | None = None, *, tokens_per_rank: int, ranks: int = 1, seed: int = 0,
+             epoch: int = 0, group_aware: bool = False, by_teacher: bool = False, **filters) -> Plan:
+        sel = selection if selection is not None else self.select(**filters)
+        return planner.make_plan(sel, tokens_per_rank, ranks, seed, epoch, group_aware, by_teacher,
+                                 store_root=self.store.root)
+
+    def check_plan(self, plan: Plan) -> None:
+        """Raise StaleRowError if trajectories of the plan were deleted from the catalog since."""
+        ids = [str(i) for i in plan.ids]
+        found = self.catalog.existing_ids(ids)
+        if len(found) != len(ids):
+            gone = [i for i, t in enumerate(ids) if t not in found][:3]
+            named = ", ".join(f"{ids[i]!r} (shard file {self.store.full_path(plan.shard_paths[plan.shard[i]])}, "
+                              f"row {int(plan.row[i])})" for i in gone)
+            raise StaleRowError(f"{len(ids) - len(found)} trajectories of the plan are no longer in the catalog, "
+                                f"e.g. {named}; re-plan")
+
+    def loader(self, plan: Plan, rank: int = 0, prefetch: int = 1, verify: bool = True, extras=(),
+               check: bool = True, minibatches=None) -> Loader:
+        if check:
+            self.check_plan(plan)
+        return Loader(plan, self.store, rank=rank, prefetch=prefetch, verify=verify, extras=extras,
+                      minibatches=minibatches)
+
+    # -- upkeep ----------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.catalog.stats() | {"store": self.store.root}
+
+    def verify_shards(self) -> list[str]:
+        """Check every catalogued shard exists and matches its checksum; returns one line per problem."""
+        problems = []
+        for _, path, _, _, crc in self.catalog.shard_rows():
+            if not self.store.exists(path):
+                problems.append(f"missing shard file {self.store.full_path(path)}")
+            elif self.store.checksum(path) != int(crc):
+                problems.append(f"checksum mismatch in shard file {self.store.full_path(path)}")
+        return problems
+
+    def gc(self, min_age_s: float = 3600.0) -> dict:
+        """Delete shard files no trajectory needs: shards whose rows were all deleted, and orphans of
+        interrupted puts older than `min_age_s` (younger ones may belong to a put in flight)."""
+        dropped = self.catalog.drop_empty_shards()
+        for rel in dropped:
+            self.store.delete(rel)
+        known = {p for _, p, *_ in self.catalog.shard_rows()}
+        orphans = []
+        now = time.time()
+        for rel in self.store.list():
+            if rel in known:
+                continue
+            info = self.store.fs.get_file_info(self.store.full_path(rel))
+            age = now - info.mtime.timestamp() if info.mtime is not None else float("inf")
+            if age >= min_age_s:
+                self.store.delete(rel)
+                orphans.append(rel)
+        return {"empty_shards_deleted": dropped, "orphans_deleted": orphans}
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,41 @@
+"""SQLite catalog backend (embedded default): a file in WAL mode, synchronous=FULL, writers take the
+lock up front (BEGIN IMMEDIATE) and wait for it up to `busy_timeout`."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import create_engine, event
+from sqlalchemy.dialects.sqlite import insert as _insert
+
+COLLATION = "BINARY"  # bytewise order, same as PostgreSQL's "C"
+
+
+def make_engine(url: str, namespace: str | None = None, busy_timeout_s: float = 60.0):
+    path = url.split("///", 1)[1] if "///" in url else ""
+    if path and path != ":memory:":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):
+        dbapi_conn.isolation_level = None  # we issue BEGIN ourselves
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def insert_ignore(table):
+    return _insert(table).on_conflict_do_nothing()
+
+
+def drop_namespace(url: str, namespace: str) -> None:  # one file per catalog: nothing shared to drop
+    return None

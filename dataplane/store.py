@@ -1,0 +1,128 @@
+"""Heavy-field store: immutable Arrow IPC shard files under a root (local path or `pyarrow.fs` URI),
+written atomically (temp, fsync, rename, fsync dir), checksummed (crc32c of the file), and read back
+memory-mapped and zero-copy where the filesystem is local."""
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+
+import google_crc32c
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.ipc as ipc
+
+from dataplane.errors import ChecksumError, ShardMissingError
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class ShardStore:
+    """Shards live at `<root>/<relative path>`; the catalog stores only relative paths, so a store can move."""
+
+    def __init__(self, root: str | os.PathLike, filesystem: pafs.FileSystem | None = None, use_mmap: bool = True):
+        root = str(root)
+        if filesystem is not None:
+            self.fs, self.base = filesystem, root.rstrip("/")
+        elif "://" in root:
+            self.fs, self.base = pafs.FileSystem.from_uri(root)
+            self.base = self.base.rstrip("/")
+        else:
+            self.fs, self.base = pafs.LocalFileSystem(), str(Path(root).resolve())
+        self.root = root
+        self.local = isinstance(self.fs, pafs.LocalFileSystem)
+        self.use_mmap = use_mmap and self.local
+        self.fs.create_dir(self.base, recursive=True)
+
+    def full_path(self, rel: str) -> str:
+        return f"{self.base}/{rel}"
+
+    @staticmethod
+    def new_path(run: str) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:64] or "run"
+        return f"shards/{safe}/{uuid.uuid4().hex}.arrow"
+
+    # -- write ---------------------------------------------------------------------------------------
+    def write(self, rel: str, batch: pa.RecordBatch) -> tuple[int, int]:
+        """Write one record batch as an IPC file, durably; returns (bytes, crc32c of the file)."""
+        sink = pa.BufferOutputStream()
+        with ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        buf = sink.getvalue()
+        crc = int(google_crc32c.value(buf))
+        path = self.full_path(rel)
+        parent = path.rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+        tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp.{os.getpid()}"
+        if self.local:
+            with open(tmp, "wb") as f:
+                f.write(buf)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            _fsync_dir(parent)
+        else:  # object stores have no fsync; a completed upload followed by a move is their commit
+            with self.fs.open_output_stream(tmp) as out:
+                out.write(buf)
+            self.fs.move(tmp, path)
+        return buf.size, crc
+
+    # -- read ----------------------------------------------------------------------------------------
+    @contextmanager
+    def open(self, rel: str, who: str = ""):
+        """Yield the shard's record batch; memory-mapped (zero-copy) on local disks. Everything that
+        views the batch must be dropped before the context ends: the map is closed then."""
+        path = self.full_path(rel)
+        what = f"shard file {path}" + (f" (needed by {who})" if who else "")
+        try:
+            source = pa.memory_map(path, "r") if self.use_mmap else self.fs.open_input_file(path)
+        except FileNotFoundError:
+            raise ShardMissingError(f"{what} does not exist: deleted, moved, or wrong store root "
+                                    f"{self.root!r}?") from None
+        try:
+            try:
+                reader = ipc.open_file(source)
+                if reader.num_record_batches != 1:
+                    raise pa.ArrowInvalid(f"{reader.num_record_batches} record batches, expected 1")
+                batch = reader.get_batch(0)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise ChecksumError(f"{what} is not a readable shard (corrupt or truncated): {exc}") from None
+            yield batch
+            del batch, reader
+        finally:
+            source.close()
+
+    def checksum(self, rel: str) -> int:
+        path = self.full_path(rel)
+        try:
+            with self.fs.open_input_file(path) as f:
+                crc = 0
+                while chunk := f.read(64 << 20):
+                    crc = google_crc32c.extend(crc, chunk)
+                return int(crc)
+        except FileNotFoundError:
+            raise ShardMissingError(f"shard file {path} does not exist") from None
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.get_file_info(self.full_path(rel)).type == pafs.FileType.File
+
+    def delete(self, rel: str) -> None:
+        try:
+            self.fs.delete_file(self.full_path(rel))
+        except FileNotFoundError:
+            pass
+
+    def list(self) -> list[str]:
+        """Relative paths of every shard file (temp files of interrupted writes excluded)."""
+        sel = pafs.FileSelector(f"{self.base}/shards", recursive=True, allow_not_found=True)
+        n = len(self.base) + 1
+        return sorted(i.path[n:] for i in self.fs.get_file_info(sel)
+                      if i.type == pafs.FileType.File and i.path.endswith(".arrow") and not i.base_name.startswith("."))
