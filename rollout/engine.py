@@ -126,9 +126,10 @@ class Engine:
         seq.turn_start = max((i for i, s in enumerate(sampled) if not s), default=-1) + 1
         self.seqs[req_id] = seq
         before = seq.kv_len
-        self._replay(seq)
         if seq.n_sampled and sampled[-1]:
             self._check_stop(seq)
+        if seq.state != "done":  # a complete trajectory needs no KV: it is only finished
+            self._replay(seq)
         return seq.kv_len - before
 
     def _replay(self, seq: Seq) -> None:

@@ -1,0 +1,48 @@
+"""Configs of the rollout path: the engine, the pool, and a `postrain rollout` run (configs/rollout.toml)."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from deploy.config import Config
+
+
+class EngineConfig(Config):
+    """The inference engine of one worker."""
+
+    max_batch: int = Field(8, ge=1, le=4096, description="requests decoded together (KV slots)")
+    max_len: int = Field(0, ge=0, le=1 << 20, description="longest trajectory in tokens; 0 = the model's max positions")
+    strict: bool = Field(True, description="batch-invariant mode: one row per forward and decode-point replay on resume")
+    dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="weights and KV dtype")
+    device: str = Field("cpu", description="torch device of the engine")
+
+
+class SamplingConfig(Config):
+    """Decoding controls of every episode."""
+
+    temperature: float = Field(1.0, ge=0, le=100, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus mass kept")
+    top_k: int = Field(0, ge=0, le=1 << 20, description="0 = off")
+    max_new_tokens: int = Field(48, ge=1, le=1 << 20, description="sampled tokens per trajectory (tool results not counted)")
+    max_tool_calls: int = Field(4, ge=0, le=64, description="tool calls answered per episode; more ends it")
+
+
+class PoolConfig(Config):
+    """Ray rollout workers and the pool that survives their death."""
+
+    workers: int = Field(2, ge=1, le=1024, description="rollout worker actors")
+    threads_per_worker: int = Field(1, ge=1, le=256, description="torch threads pinned in each actor")
+    steps_per_call: int = Field(8, ge=1, le=4096, description="decode steps a worker runs per call before reporting")
+    seed: int = Field(0, ge=0, description="run seed: trajectory ids and sampling follow from it")
+    wal_addr: str = Field("", description="WAL service host:port; empty = an in-process WAL per worker under the run dir")
+    sandbox_addr: str = Field("", description="sandbox service host:port; empty = the pool starts a local one")
+    snapshot_uri: str = Field("", description="KV snapshot store (dir or pyarrow.fs URI); empty = RUN_DIR/kv")
+    max_replacements: int = Field(64, ge=0, le=100_000, description="worker replacements before the pool gives up")
+    call_timeout_s: float = Field(300.0, gt=0, le=86_400, description="longest a worker call may take before it is declared dead")
+
+
+class RolloutConfig(Config):
+    """`postrain rollout`: one file with every table."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="inference engine")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="decoding controls")
+    pool: PoolConfig = Field(default_factory=PoolConfig, description="workers and pool")

@@ -1,0 +1,268 @@
+"""A rollout worker: engine + token WAL + KV snapshot store + sandbox gateway; and its Ray actor shell.
+
+`RolloutWorker` is a plain class (tests run it in one process); `RolloutActor` is the Ray actor that
+wraps it and adds nothing but its pid. Commit order in `run`: the engine draws a token for each
+running request → every draw is appended to the WAL → one group `commit()` → only then the engine
+accepts the draws, the pool's stream sees them, a tool may be called or the trajectory finished.
+
+Admission resumes from the WAL: the committed tokens of a trajectory are loaded, a KV snapshot is
+used when it validates (trajectory, token prefix, policy version, model fingerprint, dtype, crc),
+else the committed tokens are re-prefilled; both paths are counted with the rejection reason.
+Finishing: verify with the domain's verifier → `sink` (the data plane) → report to the pool; the WAL
+finalize happens when the pool acknowledges (next call), so a crash in between only repeats an
+idempotent put.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+import rewards
+import wal as wal_mod
+from rollout import agent
+from rollout.config import EngineConfig
+from rollout.engine import Engine
+from rollout.snapshot import SnapshotRejected, SnapshotStore, decode, encode
+from rollout.types import ENV_LOGPROB, Finished, Request, WorkerReport, is_sampled
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker incarnation needs; a replacement gets the same spec (same WAL)."""
+
+    name: str
+    checkpoint: str
+    wal_path: str  # in-process WAL directory (used when wal_addr is empty)
+    snapshot_uri: str
+    seed: int
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    threads: int = 1
+    wal_addr: str = ""
+    wal_token: str | None = None
+    sandbox_target: str = ""
+    sandbox_token: str = ""
+    max_tool_calls: int = 4
+    sink: object | None = None  # picklable factory: sink() -> object with put(Finished) (the data plane)
+    wal_open_wait_s: float = 30.0
+
+
+def _open_wal(spec: WorkerSpec):
+    if spec.wal_addr:
+        return wal_mod.connect(spec.wal_addr, token=spec.wal_token)
+    deadline = time.monotonic() + spec.wal_open_wait_s
+    while True:  # a killed predecessor may still hold the directory lock for a moment
+        try:
+            return wal_mod.open(spec.wal_path)
+        except wal_mod.LockedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+class RolloutWorker:
+    def __init__(self, spec: WorkerSpec, weights: dict | None = None, policy_version: int = 0):
+        from learner.policy import load_policy
+
+        torch.set_num_threads(spec.threads)
+        self.spec = spec
+        model, tok = load_policy(spec.checkpoint, dtype=DTYPES[spec.engine.dtype])
+        if weights is not None:
+            model.load_state_dict(weights, strict=True)
+        e = spec.engine
+        self.engine = Engine(model, tok, seed=spec.seed, max_batch=e.max_batch, max_len=e.max_len or None,
+                             strict=e.strict, policy_version=policy_version, device=e.device)
+        self.wal = _open_wal(spec)
+        self.store = SnapshotStore(spec.snapshot_uri)
+        self.tools = agent.ToolGateway(spec.sandbox_target, spec.sandbox_token) if spec.sandbox_target else None
+        self.sink = spec.sink() if spec.sink else None
+        self.queue: deque[Request] = deque()
+        self.reqs: dict[str, Request] = {}
+        self.prompt_len: dict[str, int] = {}
+        self.counters: Counter = Counter()
+        self._stream: dict[str, tuple[int, list[int]]] = {}
+        self._finished: list[Finished] = []
+        self._stopped = False
+
+    # -- pool interface ---------------------------------------------------------------------
+    def submit(self, requests: list[Request]) -> None:
+        for r in requests:
+            if r.traj_id not in self.reqs:
+                self.reqs[r.traj_id] = r
+                self.queue.append(r)
+
+    def finalize(self, traj_ids: list[str]) -> None:
+        """The pool holds these finished trajectories: mark them finalized in the WAL, drop their snapshots."""
+        for t in traj_ids:
+            try:
+                self.wal.finalize(t)
+            except wal_mod.FinalizedError:
+                pass
+            self.store.delete(t)
+            self.reqs.pop(t, None)
+            self.prompt_len.pop(t, None)
+        if traj_ids:
+            self.wal.commit()
+
+    def run(self, max_steps: int) -> WorkerReport:
+        """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""
+        self._check_live()
+        for _ in range(max_steps):
+            self._admit()
+            draws = self.engine.step()
+            if not draws:
+                break
+            for d in draws:
+                self.wal.append(d.req_id, d.position, [d.token], [d.logprob], self.engine.version)
+            self.wal.commit()  # durable before anything below sees the tokens
+            self.counters["tokens_committed"] += len(draws)
+            for d in draws:
+                self._emit(d.req_id, d.position, [d.token])
+            for seq in self.engine.accept(draws):
+                self._on_stop(seq.req_id)
+        self._admit()
+        report = WorkerReport(self._stream, self._finished, dict(self.counters),
+                              idle=not self.engine.seqs and not self.queue)
+        self._stream, self._finished = {}, []
+        return report
+
+    def preempt(self) -> int:
+        """Graceful stop: snapshot the KV of every in-flight request, release the WAL. Returns snapshots written."""
+        self._check_live()
+        n = 0
+        for traj, seq in list(self.engine.seqs.items()):
+            kv, covered = self.engine.export_kv(traj)
+            self.store.put(traj, encode(traj, seq.tokens[:covered], kv, self.engine.version, self.engine.fingerprint))
+            n += 1
+        self.counters["snapshots_written"] += n
+        self.close()
+        return n
+
+    def update_weights(self, state: dict, version: int) -> None:
+        self.engine.load_weights(state, version)
+
+    def close(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.wal.close()
+            if self.tools:
+                self.tools.close()
+
+    # -- internals ------------------------------------------------------------------------------
+    def _check_live(self) -> None:
+        if self._stopped:
+            raise RuntimeError(f"worker {self.spec.name} was preempted or closed; start a replacement")
+
+    def _emit(self, traj: str, start: int, tokens: list[int]) -> None:
+        s, toks = self._stream.get(traj, (start, []))
+        if s + len(toks) != start:  # not contiguous with what this report holds: keep the later span only
+            s, toks = start, []
+        self._stream[traj] = (s, toks + tokens)
+
+    def _admit(self) -> None:
+        while self.queue and self.engine.capacity:
+            self._start(self.queue.popleft())
+
+    def _start(self, req: Request) -> None:
+        eng, traj = self.engine, req.traj_id
+        prompt = eng.tok.encode(req.prompt)
+        try:
+            committed = self.wal.tokens(traj)
+        except wal_mod.FinalizedError:  # finished and acknowledged in an earlier incarnation
+            self.reqs.pop(traj, None)
+            return
+        if not committed:
+            self.wal.append(traj, 0, prompt, [ENV_LOGPROB] * len(prompt), eng.version)
+            self.wal.commit()
+            committed, sampled = prompt, [False] * len(prompt)
+        else:
+            if committed[:len(prompt)] != prompt:
+                raise ValueError(f"trajectory {traj!r}: the WAL holds another prompt under this id")
+            sampled = [is_sampled(lp) for lp in self.wal.logprobs(traj)]
+        self.prompt_len[traj] = len(prompt)
+        kv, rejected = None, ""
+        resumed = len(committed) > len(prompt)
+        if resumed:
+            try:
+                _, kv = decode(self.store.get(traj), traj, committed, eng.version, eng.fingerprint, eng.dtype)
+            except SnapshotRejected as exc:
+                rejected = exc.reason
+        try:
+            prefilled = eng.add(traj, committed, sampled, req.params, kv=kv)
+        except ValueError:
+            if kv is None:
+                raise
+            kv, rejected = None, "mismatch"
+            prefilled = eng.add(traj, committed, sampled, req.params)
+        if resumed:
+            self.counters["resumed"] += 1
+            if eng.seqs[traj].state == "done":
+                self.counters["resumed_complete"] += 1  # finished before the crash, not yet acknowledged: no KV needed
+            else:
+                self.counters["kv_restore" if kv is not None else "reprefill"] += 1
+                if rejected:
+                    self.counters[f"snapshot_{rejected}"] += 1
+                self.counters["prefill_tokens_on_resume"] += prefilled
+        if eng.seqs[traj].state != "run":
+            self._on_stop(traj)
+
+    def _on_stop(self, traj: str) -> None:
+        seq = self.engine.seqs[traj]
+        while seq.state == "paused":
+            before = len(seq.tokens)
+            out = agent.answer_turn(self.engine, self.wal, self.tools, traj, self.prompt_len[traj], self.spec.max_tool_calls)
+            self.counters["tool_executed"] += out.executed
+            self.counters["tool_recorded"] += out.recorded
+            if len(seq.tokens) > before:
+                self._emit(traj, before, seq.tokens[before:])
+            if not out.continued:
+                seq.state, seq.reason = "done", out.reason or seq.reason
+        if seq.state == "done":
+            self._finish(traj)
+
+    def _finish(self, traj: str) -> None:
+        seq, req, eng = self.engine.seqs[traj], self.reqs[traj], self.engine
+        p = self.prompt_len[traj]
+        completion = eng.tok.decode(seq.tokens[p:], skip_special_tokens=True)
+        reward, reason = rewards.domain(req.domain).verify(req.prompt, completion)
+        fin = Finished(traj, req.domain, req.prompt, list(seq.tokens), self.wal.logprobs(traj),
+                       self.wal.policy_versions(traj), p, completion, float(reward), reason, seq.reason)
+        if len(fin.logprobs) != len(fin.tokens):
+            raise AssertionError(f"{traj}: WAL holds {len(fin.logprobs)} tokens, engine {len(fin.tokens)}")
+        if self.sink is not None:
+            self.sink.put(fin)
+        eng.remove(traj)
+        self._finished.append(fin)
+        self.counters["finished"] += 1
+
+
+try:
+    import ray
+
+    @ray.remote(num_cpus=0, max_restarts=0, max_concurrency=1)
+    class RolloutActor:
+        """Ray shell over RolloutWorker (the pool replaces it on death; Ray never restarts it)."""
+
+        def __init__(self, spec: WorkerSpec, weights=None, policy_version: int = 0):
+            self.w = RolloutWorker(spec, weights, policy_version)
+
+        def pid(self) -> int:
+            return os.getpid()
+
+        def run(self, requests: list[Request], finalize: list[str], max_steps: int) -> WorkerReport:
+            self.w.finalize(finalize)
+            self.w.submit(requests)
+            return self.w.run(max_steps)
+
+        def preempt(self) -> int:
+            return self.w.preempt()
+
+        def update_weights(self, state, version: int) -> None:
+            self.w.update_weights(state, version)
+except ImportError:  # pragma: no cover - ray is a dependency; the plain worker still runs without it
+    RolloutActor = None
