@@ -1,3 +1,13 @@
-"""distill: teacher registry, teacher hidden-state cache, one-head-at-a-time scheduler,
-full-vocab reverse-KL (Triton kernel + chunked torch reference), OPD trainer.
-(Comes with the distill issue.)"""
+"""distill: full-vocabulary on-policy distillation.
+
+Files:
+    kl.py            `reverse_kl(h_s, W_s, h_t, W_t, ...)`: the autograd-facing loss, backend choice
+    kl_chunked.py    chunked torch backend (any device): fp32 statistics, memory bounded by a chunk size
+    kl_triton.py     fused Triton backend (CUDA; TRITON_INTERPRET=1 on CPU for tests)
+    kl_reference.py  plain fp64 reference, used only in tests
+
+(Teacher registry, hidden-state cache, head scheduler and the OPD trainer come with later issues.)
+"""
+from distill.kl import reverse_kl, token_coefficients
+
+__all__ = ["reverse_kl", "token_coefficients"]
