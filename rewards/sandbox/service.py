@@ -24,6 +24,8 @@ from rewards.sandbox.tools import TOOLS, Toolbox, check_args
 from rewards.sandbox.types import MAX_SEQ, ToolOutcome, valid_sandbox_id
 
 ABORTED_DETAIL = "invoked but no result recorded"
+LOCK_STRIPES = 64
+ENTRIES_PAGE_BYTES = 2 << 20  # an Entries reply stays well under the 4 MiB gRPC message bound
 
 
 class Refused(Exception):
@@ -86,22 +88,18 @@ class SandboxService:
     def __init__(self, log: wal.EnvLog, toolbox: Toolbox, slots: Slots, entries_page: int = 256):
         self.log, self.toolbox, self.slots = log, toolbox, slots
         self.entries_page = entries_page
-        self._lock = threading.Lock()  # guards the three dicts below
-        self._sandbox_locks: dict[str, threading.Lock] = {}
-        self._next_seq: dict[str, int] = {}
-        self._inflight: dict[tuple[str, int], Future] = {}
+        # Striped locks: a fixed number however many sandboxes come and go (every buffer has a bound).
+        self._stripes = [threading.Lock() for _ in range(LOCK_STRIPES)]
+        self._inflight: dict[tuple[str, int], Future] = {}  # at most max_concurrent entries
 
     # -- helpers -------------------------------------------------------------------------------------
     def _sandbox_lock(self, sandbox_id: str) -> threading.Lock:
-        with self._lock:
-            return self._sandbox_locks.setdefault(sandbox_id, threading.Lock())
+        return self._stripes[hash(sandbox_id) % LOCK_STRIPES]
 
     def _next(self, sandbox_id: str) -> int:
-        """Next seq of `sandbox_id` (caller holds its lock)."""
-        if sandbox_id not in self._next_seq:
-            entries = self.log.entries(sandbox_id)
-            self._next_seq[sandbox_id] = entries[-1].seq + 1 if entries else 0
-        return self._next_seq[sandbox_id]
+        """Next seq of `sandbox_id`: one past its last recorded invocation."""
+        entries = self.log.entries(sandbox_id)
+        return entries[-1].seq + 1 if entries else 0
 
     @staticmethod
     def validate(sandbox_id: str, seq: int, tool: str, args: str) -> None:
@@ -126,9 +124,8 @@ class SandboxService:
                 return "join", fut
             raise Refused("ABORTED", f"{ABORTED_DETAIL}: seq {seq} of sandbox {sandbox_id!r} was invoked before a "
                                      "crash and its outcome is unknown; it will not be run again (use the next seq)")
-        nxt = self._next(sandbox_id)
-        if seq != nxt:
-            raise Refused("FAILED_PRECONDITION", f"seq gap: sandbox {sandbox_id!r} expects seq {nxt}, got {seq}")
+        if seq > 0 and self.log.get(sandbox_id, seq - 1) is None:  # O(1) check; the scan only to explain
+            raise Refused("FAILED_PRECONDITION", f"seq gap: sandbox {sandbox_id!r} expects seq {self._next(sandbox_id)}, got {seq}")
         if (sandbox_id, seq - 1) in self._inflight:
             raise Refused("FAILED_PRECONDITION", f"seq {seq - 1} of sandbox {sandbox_id!r} is still running; calls of one sandbox are sequential")
         return "new", None
@@ -161,7 +158,6 @@ class SandboxService:
                     self.log.invoke(sandbox_id, seq, call)  # durable before the tool runs
                     fut: Future = Future()
                     self._inflight[(sandbox_id, seq)] = fut
-                    self._next_seq[sandbox_id] = seq + 1
             if state == "done":
                 return value, True
             if state == "join":
@@ -186,12 +182,17 @@ class SandboxService:
         if not valid_sandbox_id(sandbox_id):
             raise Refused("INVALID_ARGUMENT", "sandbox_id must match [A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
         with self._sandbox_lock(sandbox_id):
-            nxt = self._next(sandbox_id)
-            inflight = {s for (sid, s) in self._inflight if sid == sandbox_id}
-        rows = [e for e in self.log.entries(sandbox_id) if e.seq >= from_seq]
-        page = rows[: self.entries_page]
-        views = [EntryView(e.seq, e.request, e.response, e.seq in inflight) for e in page]
-        return views, nxt, len(rows) > len(page)
+            rows = self.log.entries(sandbox_id)
+            inflight = {s for (sid, s) in list(self._inflight) if sid == sandbox_id}
+        nxt = rows[-1].seq + 1 if rows else 0
+        rows = [e for e in rows if e.seq >= from_seq]
+        page, size = [], 0
+        for e in rows[: self.entries_page]:
+            size += len(e.request) + len(e.response or b"")
+            if page and size > ENTRIES_PAGE_BYTES:
+                break
+            page.append(EntryView(e.seq, e.request, e.response, e.seq in inflight))
+        return page, nxt, len(rows) > len(page)
 
     def info(self) -> dict:
         return {"tools": list(TOOLS), "isolated": self.toolbox.isolator is not None}

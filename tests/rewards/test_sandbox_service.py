@@ -176,3 +176,19 @@ def test_aborted_is_reported_not_rerun(tmp_path):
             assert c.execute("crashed", 1, "counter", "ab").result.output == "1"  # the caller moved on
     finally:
         srv.stop()
+
+
+def test_entries_are_paged(tmp_path):
+    if probe() is not None:
+        pytest.skip(probe())
+    srv = _server(tmp_path, entries_page=2)
+    try:
+        with SandboxClient(srv.target, TOKEN) as c:
+            raws = [c.execute("paged", seq, "counter", "paged").raw for seq in range(5)]
+            entries, nxt = c.entries("paged")  # three pages of at most two
+            assert nxt == 5 and [e.result.raw for e in entries] == raws
+            assert [e.seq for e in c.entries("paged", from_seq=3)[0]] == [3, 4]
+            page = srv.service.entries("paged", 0)
+            assert len(page[0]) == 2 and page[2] is True
+    finally:
+        srv.stop()
