@@ -25,7 +25,7 @@ Files:
     store.py     ShardStore: atomic checksummed IPC shard files on local disk (mmap) or pyarrow.fs
     packing.py   pure numpy kernels: split, next-fit chain by pointer doubling, greedy rank balance
     planner.py   pure numpy planner: seeded (group-aware, by-teacher) shuffle -> split -> pack -> Plan
-    loader.py    Loader: per-minibatch reads of needed rows/ranges, packed torch tensors, bounded prefetch
+    streaming.py Loader: per-minibatch reads of needed rows/ranges, packed torch tensors, bounded prefetch
     plane.py     DataPlane: put (shard durable before catalog), select, plan, loader, stats, verify, gc
     config.py    DataPlaneConfig (typed, bounded) for configs/dataplane.toml
 """
@@ -57,7 +57,7 @@ def open(catalog_url: str | os.PathLike, store_root: str | os.PathLike, *, names
 
 def loader(plan: Plan, rank: int = 0, **kwargs):
     """A loader for a rank that holds only the plan (no catalog): shards come from `plan.store_root`."""
-    from dataplane.loader import Loader
+    from dataplane.streaming import Loader
 
     return Loader(plan, rank=rank, **kwargs)
 

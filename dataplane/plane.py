@@ -11,7 +11,7 @@ import numpy as np
 from dataplane import codec, planner
 from dataplane.catalog import Catalog
 from dataplane.errors import BadRecordError, StaleRowError
-from dataplane.loader import Loader
+from dataplane.streaming import Loader
 from dataplane.store import ShardStore
 from dataplane.types import STATUSES, Plan, Selection, TrajectoryRecord
 

@@ -46,6 +46,7 @@ class Loader:
         self.minibatches = list(range(plan.num_minibatches) if minibatches is None else minibatches)
         self.bytes_read = 0
         self._stop = threading.Event()
+        self._specs: dict[str, tuple] = {}
 
     def __len__(self) -> int:
         return len(self.minibatches)
@@ -68,44 +69,11 @@ class Loader:
             by_shard[int(p.shard[t])].append(k)
         bytes_read = 0
         for s, ks in sorted(by_shard.items()):
-            rel = p.shard_paths[s]
-            with self.store.open(rel, who=f"trajectory {p.ids[traj[ks[0]]]!r}") as rb:
-                id_col, cols = decode(rb)
-                for name in self.extras:
-                    if EXTRA_PREFIX + name not in cols:
-                        raise DataPlaneError(f"trajectory {p.ids[traj[ks[0]]]!r}: shard file {self.store.full_path(rel)} "
-                                             f"has no extra field {name!r} (has {sorted(c[2:] for c in cols if c.startswith(EXTRA_PREFIX))})")
-                    col = cols[EXTRA_PREFIX + name]
-                    if name not in outs:
-                        outs[name] = np.empty((n_tok, *col.spec.shape), dtype=col.spec.dtype)
-                        logical[name] = col.spec.logical
-                    elif outs[name].shape[1:] != col.spec.shape or outs[name].dtype != col.spec.dtype:
-                        raise DataPlaneError(f"extra {name!r} is {col.spec.dtype}{col.spec.shape} in {rel} but "
-                                             f"{outs[name].dtype}{outs[name].shape[1:]} elsewhere in minibatch {m}")
-                wanted = [(outs[n], cols[n if n in CORE_DTYPES else EXTRA_PREFIX + n]) for n in outs]
-                n_rows = len(id_col)
-                for k in ks:
-                    t = int(traj[k])
-                    row, tid = int(p.row[t]), p.ids[t]
-                    where = f"trajectory {tid!r} (shard file {self.store.full_path(rel)}, row {row})"
-                    if row >= n_rows or id_col[row].as_py() != tid:
-                        raise StaleRowError(f"{where}: the shard no longer holds it there; re-plan from the catalog")
-                    off = cols["tokens"].offsets
-                    base, full = int(off[row]), int(off[row + 1] - off[row])
-                    if full != int(p.length[t]):
-                        raise StaleRowError(f"{where}: holds {full} tokens, the plan says {int(p.length[t])}")
-                    if self.verify and start[k] == 0:
-                        got = row_checksum([c.values[c.offsets[row]:c.offsets[row + 1]] for c in cols.values()])
-                        bytes_read += sum(c.values[c.offsets[row]:c.offsets[row + 1]].nbytes for c in cols.values())
-                        if got != int(p.checksum[t]):
-                            raise ChecksumError(f"{where}: checksum {got:#010x} != recorded {int(p.checksum[t]):#010x}: "
-                                                "the shard is corrupt; restore it or drop the trajectory")
-                    a, b = int(cu[k]), int(cu[k + 1])
-                    for out, col in wanted:
-                        src = col.values[base + int(start[k]):base + int(stop[k])]
-                        np.copyto(out[a:b], src, casting="unsafe")
-                        bytes_read += src.nbytes
-                del wanted, cols, id_col, rb  # drop every view of the map before it closes
+            bytes_read += self._copy_shard(m, s, ks, traj, start, stop, cu, outs, logical)
+        for name in self.extras:  # a rank with nothing in this minibatch still gets typed, empty fields
+            if name not in outs:
+                dtype, shape, logical[name] = self._extra_spec(name)
+                outs[name] = np.empty((0, *shape), dtype=dtype)
         pos = np.arange(n_tok, dtype=np.int64) - np.repeat(cu[:-1].astype(np.int64) - start, seg_len)
         self.bytes_read += bytes_read
         return Batch(
@@ -115,6 +83,66 @@ class Loader:
             traj_ids=[str(x) for x in p.ids[traj]], seg_start=start, seg_stop=stop, traj_length=p.length[traj],
             reward=p.reward[traj], group=p.group[traj], teacher=[p.teachers[i] if p.teachers else "" for i in p.teacher[traj]],
             bytes_read=bytes_read)
+
+    def _copy_shard(self, m, s, ks, traj, start, stop, cu, outs, logical) -> int:
+        """Copy the segments `ks` that live in shard `s` into the packed outputs; every view of the
+        memory map is local here, so the map is gone when this returns."""
+        p = self.plan
+        rel = p.shard_paths[s]
+        bytes_read = 0
+        with self.store.open(rel, who=f"trajectory {p.ids[traj[ks[0]]]!r}") as rb:
+            id_col, cols = decode(rb)
+            for name in self.extras:
+                if EXTRA_PREFIX + name not in cols:
+                    raise DataPlaneError(f"trajectory {p.ids[traj[ks[0]]]!r}: shard file {self.store.full_path(rel)} "
+                                         f"has no extra field {name!r} (has {sorted(c[2:] for c in cols if c.startswith(EXTRA_PREFIX))})")
+                col = cols[EXTRA_PREFIX + name]
+                if name not in outs:
+                    outs[name] = np.empty((outs["tokens"].shape[0], *col.spec.shape), dtype=col.spec.dtype)
+                    logical[name] = col.spec.logical
+                    self._specs[name] = (col.spec.dtype, col.spec.shape, col.spec.logical)
+                elif outs[name].shape[1:] != col.spec.shape or outs[name].dtype != col.spec.dtype:
+                    raise DataPlaneError(f"extra {name!r} is {col.spec.dtype}{col.spec.shape} in {rel} but "
+                                         f"{outs[name].dtype}{outs[name].shape[1:]} elsewhere in minibatch {m}")
+            wanted = [(outs[n], cols[n if n in CORE_DTYPES else EXTRA_PREFIX + n]) for n in outs]
+            n_rows = len(id_col)
+            off = cols["tokens"].offsets
+            for k in ks:
+                t = int(traj[k])
+                row, tid = int(p.row[t]), p.ids[t]
+                where = f"trajectory {tid!r} (shard file {self.store.full_path(rel)}, row {row})"
+                if row >= n_rows or id_col[row].as_py() != tid:
+                    raise StaleRowError(f"{where}: the shard no longer holds it there; re-plan from the catalog")
+                base, full = int(off[row]), int(off[row + 1] - off[row])
+                if full != int(p.length[t]):
+                    raise StaleRowError(f"{where}: holds {full} tokens, the plan says {int(p.length[t])}")
+                if self.verify and start[k] == 0:
+                    rows = [c.values[c.offsets[row]:c.offsets[row + 1]] for c in cols.values()]
+                    got = row_checksum(rows)
+                    bytes_read += sum(r.nbytes for r in rows)
+                    if got != int(p.checksum[t]):
+                        raise ChecksumError(f"{where}: checksum {got:#010x} != recorded {int(p.checksum[t]):#010x}: "
+                                            "the shard is corrupt; restore it or drop the trajectory")
+                a, b = int(cu[k]), int(cu[k + 1])
+                for out, col in wanted:
+                    src = col.values[base + int(start[k]):base + int(stop[k])]
+                    np.copyto(out[a:b], src, casting="unsafe")
+                    bytes_read += src.nbytes
+        return bytes_read
+
+    def _extra_spec(self, name: str):
+        if name not in self._specs:
+            p = self.plan
+            if not p.shard_paths:
+                raise DataPlaneError(f"extra {name!r} asked for, but the plan holds no trajectory")
+            with self.store.open(p.shard_paths[int(p.shard[p.seg_traj[0]]) if p.seg_traj.size else 0]) as rb:
+                _, cols = decode(rb)
+                col = cols.get(EXTRA_PREFIX + name)
+                if col is None:
+                    raise DataPlaneError(f"extra {name!r} is not in the plan's shards")
+                self._specs[name] = (col.spec.dtype, col.spec.shape, col.spec.logical)
+                del cols, col, rb
+        return self._specs[name]
 
     # -- iteration ---------------------------------------------------------------------------------------
     def __iter__(self):
