@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from rewards.sandbox.client import SandboxClient
     from rewards.sandbox.isolation import Isolator, probe
     from rewards.sandbox.launch import ServerProcess
-    from rewards.sandbox.tools import calc_command
+    from rewards.sandbox.tools import calc_command, calc_program
     from rewards.sandbox.types import Limits
 
     reason = probe()
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError(f"plain {expr} gave {out!r}")
 
     def isolated(w, i, expr, expected):
-        out = iso.run(calc_command(python, expr), Limits(), slot=60 + w).stdout.decode().strip()
+        out = iso.run_python(python, *calc_program(expr), Limits(), slot=60 + w).stdout.decode().strip()
         if out != expected:
             raise RuntimeError(f"isolated {expr} gave {out!r}")
 

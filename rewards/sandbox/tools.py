@@ -40,13 +40,15 @@ _CALC_ENTRY = (
 )
 
 
-def python_command(python: str, code: str) -> list[str]:
-    """A fresh interpreter: -I (no env, no user site), -S (no site-packages: stdlib only, fast start)."""
-    return [python, "-I", "-S", "-c", code]
+def calc_program(expr: str) -> tuple[str, list[str]]:
+    """(code, argv) of the calculator tool for interpreter flags -I -S (fresh, stdlib only)."""
+    return _CALC_ENTRY, [rewards.calculator.__file__, expr]
 
 
 def calc_command(python: str, expr: str) -> list[str]:
-    return [*python_command(python, _CALC_ENTRY), rewards.calculator.__file__, expr]
+    """The same calculator as one command line (what the benchmark's plain subprocess baseline runs)."""
+    code, argv = calc_program(expr)
+    return [python, "-I", "-S", "-c", code, *argv]
 
 
 def check_args(tool: str, args: str) -> str | None:
@@ -139,12 +141,12 @@ class Toolbox:
         if self.isolator is None:
             raise RuntimeError("isolated tools need bubblewrap; this service has none")
         if tool == "calc":
-            run = self.isolator.run(calc_command(self.python, args), limits, slot)
+            run = self.isolator.run_python(self.python, *calc_program(args), limits, slot)
             out = run.stdout.decode("utf-8", errors="replace").strip()
             if run.exit_code == _CALC_EXIT_ERROR and not (run.timed_out or run.output_exceeded):
                 return ToolOutcome(False, "", T.TOOL_ERROR, out[:300], run.exit_code, run.wall_ms)
         else:
-            run = self.isolator.run(python_command(self.python, args), limits, slot)
+            run = self.isolator.run_python(self.python, args, [], limits, slot)
             out = run.stdout.decode("utf-8", errors="replace")
         kind, reason = classify(run, limits)
         return ToolOutcome(not kind, out, kind, reason, run.exit_code, run.wall_ms)

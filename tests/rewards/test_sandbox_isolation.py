@@ -87,9 +87,13 @@ def _assert_benign(benign):
 
 
 def test_benign_calls_work(client):
-    res = client.execute(_sid("ok"), 0, "python", "import os; print(os.getuid() >= 61000, sorted(os.environ))")
+    code = ("import os\n"
+            "status = dict(line.split(':\\t') for line in open('/proc/self/status').read().splitlines() if ':\\t' in line)\n"
+            "print(os.getuid() >= 61000 or os.getuid() == 65534, sorted(os.environ), status['CapEff'], status['NoNewPrivs'])\n")
+    res = client.execute(_sid("ok"), 0, "python", code)
     assert res.result.ok, res.result
-    assert res.result.output.strip() == "True ['HOME', 'LANG', 'PATH', 'PWD']"  # clean environment, unprivileged uid
+    # unprivileged uid, clean environment, no capability, no way to gain one
+    assert res.result.output.strip() == "True ['HOME', 'LANG', 'PATH', 'PWD'] 0000000000000000 1"
 
 
 def test_fork_bomb_is_contained(client):
@@ -178,3 +182,20 @@ def test_file_size_limit(client):
     hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
     assert hostile.result.error_kind == T.FILE_SIZE_LIMIT, hostile.result
     _assert_benign(benign)
+
+
+def test_generic_command_runner_applies_limits():
+    """Isolator.run (any program: prlimit + setpriv instead of the Python prelude) enforces the same bounds."""
+    from rewards.sandbox.isolation import Isolator
+
+    iso = Isolator()
+    limits = T.Limits(wall_s=5, processes=7, file_size_bytes=1 << 20)
+    out = iso.run(["/bin/sh", "-c", "id -u; grep -E '^Max (processes|file size)' /proc/self/limits; echo x > /etc/escape"],
+                  limits, slot=90)
+    lines = out.stdout.decode().splitlines()
+    assert lines[1].split()[3:5] == [str(1 << 20), str(1 << 20)], out  # Max file size: soft, hard
+    assert lines[2].split()[2:4] == ["7", "7"], out                    # Max processes: soft, hard
+    assert os.geteuid() != 0 or lines[0] == str(UID_BASE + 90)
+    assert out.exit_code != 0 and b"Read-only file system" in out.stderr
+    slow = iso.run(["/bin/sh", "-c", "sleep 30"], limits._replace(wall_s=0.5), slot=90)
+    assert slow.timed_out and slow.wall_ms < 3000 and not _tasks_of_uid(UID_BASE + 90)
