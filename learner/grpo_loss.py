@@ -159,7 +159,7 @@ def grpo_loss(inp: LossInputs, opts: LossOptions) -> LossOutputs:
         denom = max(n, 1)
 
         def mean(x_N: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask_N, x_N.float(), 0.0).sum() / denom
+            return torch.where(mask_N, x_N.double(), 0.0).sum() / denom
 
         clipped_N = (pg_clipped_N > pg_unclipped_N)
         metrics = {

@@ -10,7 +10,15 @@ from learner.grpo_loss import (LossInputs, LossOptions, grpo_loss, logprobs_from
                                seq_ids_from_cu_seqlens)
 from tests.learner.reference_loss import reference_logprobs, reference_loss
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64_default():
+    """These tests compare at fp64 precision; restore the default for the rest of the suite."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
 
 
 def make_pack(seed: int, lengths=(7, 12, 5, 9, 6, 8), spread=0.6):
