@@ -27,7 +27,7 @@ class Layout:
 
 def shuffle(n: int, group: np.ndarray | None, seed: int, epoch: int, teacher: np.ndarray | None = None) -> np.ndarray:
     """Seeded order of trajectory indices: a permutation of trajectories, or of groups (members adjacent,
-    in their given order); then stably by teacher when `teacher` is given. O(n) when group codes are
+    in their given order); then stably by teacher when `teacher` is given (a group by its first member's). O(n) when group codes are
     already sorted (the catalog returns them so), else one stable sort."""
     rng = np.random.Generator(np.random.PCG64([int(seed), int(epoch)]))
     if group is None:
@@ -45,6 +45,10 @@ def shuffle(n: int, group: np.ndarray | None, seed: int, epoch: int, teacher: np
         order = np.arange(n, dtype=np.int64) + np.repeat(head[perm] - new_head, new_size)
     if teacher is not None:
         t = np.asarray(teacher)[order]
+        if group is not None and n:  # a group moves with the teacher of its first member: it stays whole
+            g = np.asarray(group)[order]
+            head = np.maximum.accumulate(np.where(np.concatenate([[True], g[1:] != g[:-1]]), np.arange(n), 0))
+            t = t[head]
         if t.size and 0 <= t.min() and t.max() < 32768:
             t = t.astype(np.int16)  # numpy sorts 16-bit keys stably by radix: O(n)
         order = order[np.argsort(t, kind="stable")]

@@ -90,11 +90,11 @@ class Loader:
         p = self.plan
         rel = p.shard_paths[s]
         bytes_read = 0
-        with self.store.open(rel, who=f"trajectory {p.ids[traj[ks[0]]]!r}") as rb:
+        with self.store.open(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}") as rb:
             id_col, cols = decode(rb)
             for name in self.extras:
                 if EXTRA_PREFIX + name not in cols:
-                    raise DataPlaneError(f"trajectory {p.ids[traj[ks[0]]]!r}: shard file {self.store.full_path(rel)} "
+                    raise DataPlaneError(f"trajectory {str(p.ids[traj[ks[0]]])!r}: shard file {self.store.full_path(rel)} "
                                          f"has no extra field {name!r} (has {sorted(c[2:] for c in cols if c.startswith(EXTRA_PREFIX))})")
                 col = cols[EXTRA_PREFIX + name]
                 if name not in outs:
@@ -109,7 +109,7 @@ class Loader:
             off = cols["tokens"].offsets
             for k in ks:
                 t = int(traj[k])
-                row, tid = int(p.row[t]), p.ids[t]
+                row, tid = int(p.row[t]), str(p.ids[t])
                 where = f"trajectory {tid!r} (shard file {self.store.full_path(rel)}, row {row})"
                 if row >= n_rows or id_col[row].as_py() != tid:
                     raise StaleRowError(f"{where}: the shard no longer holds it there; re-plan from the catalog")
