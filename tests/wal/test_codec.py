@@ -1,0 +1,127 @@
+"""Record codec: round trips (examples and properties), damage detection, token packing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from wal import codec
+from wal.types import EnvInvokeRecord, EnvResultRecord, FinalizeRecord, TokensRecord
+
+ids = st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) <= codec.MAX_ID_BYTES)
+lsns = st.integers(0, 2**63 - 1)
+
+
+@st.composite
+def tokens_records(draw):
+    n = draw(st.integers(0, 64))
+    toks = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    lps = draw(st.lists(st.floats(allow_nan=False), min_size=n, max_size=n))
+    return TokensRecord(draw(lsns), draw(ids), draw(st.integers(0, 2**63 - 1)), draw(st.integers(0, 2**63 - 1)),
+                        codec.pack_tokens(toks), codec.pack_logprobs(lps, n))
+
+
+records = st.one_of(
+    tokens_records(),
+    st.builds(FinalizeRecord, lsns, ids),
+    st.builds(EnvInvokeRecord, lsns, ids, st.integers(0, 2**63 - 1), st.binary(max_size=300)),
+    st.builds(EnvResultRecord, lsns, ids, st.integers(0, 2**63 - 1), st.binary(max_size=300)),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(records)
+def test_roundtrip_property(rec):
+    frame = codec.encode(rec)
+    assert codec.decode(frame) == rec
+    assert codec.encode(codec.decode(frame)) == frame
+
+
+@settings(max_examples=150, deadline=None)
+@given(records, st.data())
+def test_any_single_bit_flip_is_detected(rec, data):
+    frame = bytearray(codec.encode(rec))
+    bit = data.draw(st.integers(0, len(frame) * 8 - 1))
+    frame[bit // 8] ^= 1 << (bit % 8)
+    got, _, err = codec.read_frame(bytes(frame), 0, rec.lsn)
+    assert err is not None and got is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(records, min_size=1, max_size=8), st.data())
+def test_stream_of_frames_stops_at_truncation(recs, data):
+    recs = [r._replace(lsn=i) for i, r in enumerate(recs)]
+    buf = b"".join(codec.encode(r) for r in recs)
+    cut = data.draw(st.integers(0, len(buf)))
+    got = [r for _, r in codec.iter_frames(buf[:cut], 0, 0)]
+    assert got == recs[:len(got)]
+    ends = np.cumsum([len(codec.encode(r)) for r in recs])
+    assert len(got) == int((ends <= cut).sum())
+
+
+def test_tokens_record_example():
+    frame = codec.encode_tokens(7, "traj-é", 12, 3, codec.pack_tokens([1, 2, 2**31 - 1]), codec.pack_logprobs([-0.5, -1e-9, 0.0], 3))
+    rec = codec.decode(frame)
+    assert rec.lsn == 7 and rec.traj_id == "traj-é" and rec.start == 12 and rec.policy_version == 3
+    assert codec.unpack_tokens(rec.tokens) == [1, 2, 2**31 - 1]
+    assert codec.unpack_logprobs(rec.logprobs) == [-0.5, -1e-9, 0.0]
+    assert rec.n_tokens == 3
+
+
+def test_lsn_mismatch_and_trailing_bytes_are_errors():
+    frame = codec.encode_finalize(5, "x")
+    assert codec.read_frame(frame, 0, 6)[2].startswith("lsn 5")
+    with pytest.raises(codec.CodecError):
+        codec.decode(frame + b"\0")
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**31], [1.5], "abc", [[1, 2]], b"\x01\x02"])
+def test_pack_tokens_rejects_bad_input(bad):
+    with pytest.raises(codec.CodecError):
+        codec.pack_tokens(bad)
+
+
+def test_pack_tokens_accepts_numpy_and_lists():
+    assert codec.pack_tokens(np.array([1, 2], dtype=np.int64)) == codec.pack_tokens([1, 2]) == np.array([1, 2], "<i4").tobytes()
+    assert codec.pack_tokens([]) == b""
+
+
+def test_pack_logprobs_checks_count_and_nan():
+    with pytest.raises(codec.CodecError, match="one per token"):
+        codec.pack_logprobs([-0.1], 2)
+    with pytest.raises(codec.CodecError, match="NaN"):
+        codec.pack_logprobs([float("nan")], 1)
+    with pytest.raises(codec.CodecError):
+        codec.pack_logprobs(["x"], 1)
+
+
+def test_encode_rejects_bad_ids_and_mismatched_payloads():
+    with pytest.raises(codec.CodecError):
+        codec.encode_finalize(0, "")
+    with pytest.raises(codec.CodecError):
+        codec.encode_finalize(0, "x" * (codec.MAX_ID_BYTES + 1))
+    with pytest.raises(codec.CodecError):
+        codec.encode_tokens(0, "t", 0, 0, b"\0" * 4, b"")
+
+
+def test_segment_header_roundtrip_and_damage():
+    head = codec.encode_segment_header(12345)
+    assert codec.decode_segment_header(head) == 12345
+    for i in range(len(head)):
+        bad = bytearray(head)
+        bad[i] ^= 0x10
+        with pytest.raises(codec.CodecError):
+            codec.decode_segment_header(bytes(bad))
+    with pytest.raises(codec.CodecError):
+        codec.decode_segment_header(head[:-1])
+
+
+def test_find_valid_after_tells_torn_from_corrupt():
+    frames = [codec.encode_finalize(i, f"t{i}") for i in range(4)]
+    buf = b"".join(frames)
+    bad = bytearray(buf)
+    bad[len(frames[0]) + 9] ^= 1  # damage record 1
+    off = len(frames[0])
+    assert codec.find_valid_after(bytes(bad), off, 0) == off + len(frames[1])
+    assert codec.find_valid_after(bytes(bad[:off + len(frames[1])]), off, 0) is None

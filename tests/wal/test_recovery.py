@@ -1,0 +1,163 @@
+"""Torn and corrupted tails: truncation at every byte of the last records, bit flips in the tail and in
+the middle (the middle must be reported), torn segment headers, damage in an earlier segment."""
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+
+import wal
+from wal import codec, segments
+from wal.verify import verify
+
+
+def _tok(traj: int, pos: int) -> int:
+    return (traj * 7919 + pos * 31) % 50000
+
+
+def _build(path, n_records=12, per=3, config=None):
+    """One trajectory, `n_records` records of `per` tokens; returns the frame end offsets of the last segment."""
+    w = wal.open(path, config)
+    for r in range(n_records):
+        start = r * per
+        w.append("t", start, [_tok(0, p) for p in range(start, start + per)], [-0.01 * p for p in range(start, start + per)], r // 4)
+        w.commit()
+    w.close()
+    seg = segments.list_segments(path)[-1][1]
+    buf = seg.read_bytes()
+    ends = [off + codec.FRAME.size + codec.FRAME.unpack_from(buf, off)[0]
+            for off, _ in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, segments.list_segments(path)[-1][0])]
+    return seg, buf, ends
+
+
+def _expect_prefix(path, n_tokens):
+    w = wal.open(path)
+    assert w.tokens("t") == [_tok(0, p) for p in range(n_tokens)]
+    assert w.logprobs("t") == [-0.01 * p for p in range(n_tokens)]
+    rep = w.recovery
+    w.append("t", n_tokens, [1], [-1.0], 9)  # the log stays writable after recovery
+    w.commit()
+    w.close()
+    return rep
+
+
+def test_truncation_at_every_byte_of_the_last_records(tmp_path):
+    src = tmp_path / "src"
+    seg, buf, ends = _build(src)
+    per = 3
+    first = ends[-4]  # every byte offset inside the last three records
+    for cut in range(first, len(buf)):
+        d = tmp_path / f"c{cut}"
+        shutil.copytree(src, d)
+        with open(d / seg.name, "r+b") as f:
+            f.truncate(cut)
+        whole = sum(1 for e in ends if e <= cut)
+        rep = _expect_prefix(d, whole * per)
+        assert rep.torn_bytes_cut == cut - ends[whole - 1]
+        if rep.torn_bytes_cut:
+            kept = [p for p in (d / segments.TORN_DIR).iterdir()]
+            assert len(kept) == 1 and kept[0].read_bytes() == buf[ends[whole - 1]:cut], "cut bytes must be kept aside"
+        shutil.rmtree(d)
+
+
+def test_bit_flips_in_the_last_record_cut_it_as_torn(tmp_path):
+    src = tmp_path / "src"
+    seg, buf, ends = _build(src)
+    rng = random.Random(1234)
+    lo = ends[-2]
+    for bit in rng.sample(range(lo * 8, len(buf) * 8), 40):
+        d = tmp_path / f"b{bit}"
+        shutil.copytree(src, d)
+        data = bytearray(buf)
+        data[bit // 8] ^= 1 << (bit % 8)
+        (d / seg.name).write_bytes(bytes(data))
+        rep = _expect_prefix(d, (len(ends) - 1) * 3)
+        assert rep.torn_bytes_cut == len(buf) - lo
+        shutil.rmtree(d)
+
+
+def test_bit_flips_in_a_middle_record_are_reported_not_skipped(tmp_path):
+    src = tmp_path / "src"
+    seg, buf, ends = _build(src)
+    rng = random.Random(99)
+    mid_lo, mid_hi = ends[4], ends[5]  # record 5 of 12
+    for bit in rng.sample(range(mid_lo * 8, mid_hi * 8), 30):
+        d = tmp_path / f"m{bit}"
+        shutil.copytree(src, d)
+        data = bytearray(buf)
+        data[bit // 8] ^= 1 << (bit % 8)
+        (d / seg.name).write_bytes(bytes(data))
+        with pytest.raises(wal.CorruptionError, match="corrupt"):
+            wal.open(d)
+        assert (d / seg.name).read_bytes() == bytes(data), "a refused open must not modify the log"
+        report = verify(d)
+        assert report["corruption"] and report["corruption"][0]["offset"] == mid_lo
+        assert report["corruption"][0]["valid_records_follow"]
+        shutil.rmtree(d)
+
+
+def test_canary_corrupted_middle_record_is_detected_and_repair_keeps_the_prefix(tmp_path):
+    seg, buf, ends = _build(tmp_path)
+    data = bytearray(buf)
+    data[ends[2] + 20] ^= 0xFF  # canary: damage record 3's payload
+    seg.write_bytes(bytes(data))
+    with pytest.raises(wal.CorruptionError):
+        wal.open(tmp_path)
+    w = wal.open(tmp_path, repair=True)
+    assert w.recovery.repaired
+    assert w.tokens("t") == [_tok(0, p) for p in range(9)]
+    w.close()
+    kept = b"".join(p.read_bytes() for p in sorted((tmp_path / segments.TORN_DIR).iterdir()))
+    assert kept == bytes(data[ends[2]:])
+    assert verify(tmp_path)["corruption"] == []
+
+
+def _multi_segment(path):
+    cfg = wal.WALConfig(segment_bytes=4096)
+    w = wal.open(path, cfg)
+    for i in range(300):
+        w.append(f"t{i % 3}", i // 3 * 4, [i, i, i, i], [-1.0] * 4, 0)
+        w.commit()
+    w.close()
+    segs = segments.list_segments(path)
+    assert len(segs) >= 3
+    return cfg, segs
+
+
+def test_damage_in_an_earlier_segment_is_corruption(tmp_path):
+    cfg, segs = _multi_segment(tmp_path)
+    first = segs[0][1]
+    data = bytearray(first.read_bytes())
+    data[-3] ^= 4  # the tail of a sealed segment: later segments hold valid data
+    first.write_bytes(bytes(data))
+    with pytest.raises(wal.CorruptionError):
+        wal.open(tmp_path, cfg)
+    assert verify(tmp_path)["corruption"][0]["segment"] == first.name
+
+
+def test_missing_middle_segment_is_corruption(tmp_path):
+    cfg, segs = _multi_segment(tmp_path)
+    segs[1][1].unlink()
+    with pytest.raises(wal.CorruptionError, match="gap between segments"):
+        wal.open(tmp_path, cfg)
+
+
+def test_torn_segment_header_is_cut(tmp_path):
+    cfg, segs = _multi_segment(tmp_path)
+    w = wal.open(tmp_path, cfg)
+    lengths = {t: w.length(t) for t in w.trajectories()}
+    nxt = w.stats()["next_lsn"]
+    w.close()
+    (tmp_path / segments.segment_name(nxt + 1000)).unlink(missing_ok=True)
+    # a crash right after creating the next segment, before its header was complete
+    torn = tmp_path / segments.segment_name(nxt)
+    if torn.exists():
+        torn.unlink()
+    last_base = segments.list_segments(tmp_path)[-1][0]
+    torn.write_bytes(codec.encode_segment_header(nxt)[:7])
+    w = wal.open(tmp_path, cfg)
+    assert w.recovery.torn_bytes_cut == 7
+    assert {t: w.length(t) for t in w.trajectories()} == lengths
+    assert segments.list_segments(tmp_path)[-1][0] == last_base
+    w.close()
