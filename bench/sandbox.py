@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         if out != expected:
             raise RuntimeError(f"isolated {expr} gave {out!r}")
 
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-sandbox-") as tmp:
         srv = ServerProcess(Path(tmp) / "svc", TOKEN, extra=["--max-concurrent", "8"])
         clients = [SandboxClient(srv.target, TOKEN, timeout_s=30, retries=3) for _ in range(8)]
@@ -153,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "sandbox",
         "device": _device(),
+        "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
         "tool": "calc (rewards.calculator in a fresh `python -I -S`)",
         "baseline": "plain subprocess.run of the same command: no isolation, no log, no gRPC",
         **figures,
