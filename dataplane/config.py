@@ -20,3 +20,9 @@ class DataPlaneConfig(Config):
     by_teacher: bool = Field(False, description="order minibatches by teacher (OPD: one teacher head resident)")
     prefetch: int = Field(1, ge=0, le=8, description="minibatches the loader builds ahead")
     verify: bool = Field(True, description="check each trajectory's checksum when the loader reads it")
+
+
+class DataPlaneFile(Config):
+    """configs/dataplane.toml: one [dataplane] table."""
+
+    dataplane: DataPlaneConfig = Field(default_factory=DataPlaneConfig, description="the data plane")
