@@ -65,6 +65,8 @@ class Servicer(pb_grpc.SandboxServicer):
             context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
         except WALError as exc:
             context.abort(_wal_status(exc), f"environment log: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a bug or an I/O error: a clear status, not UNKNOWN
+            context.abort(grpc.StatusCode.INTERNAL, f"sandbox service: {type(exc).__name__}: {exc}")
 
     def Execute(self, request, context):
         call = request.call

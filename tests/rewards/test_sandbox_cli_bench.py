@@ -1,0 +1,36 @@
+"""`postrain sandbox serve` refuses bad options in one line; `postrain bench sandbox` runs end to end (tiny)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rewards.sandbox.isolation import probe
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--max-concurrent", "0"], "max_concurrent"),
+    (["--port", "70000"], "port"),
+    (["--wall-s", "-1"], "wall_s"),
+])
+def test_serve_refuses_bad_options_in_one_line(tmp_path, argv, words):
+    res = subprocess.run([sys.executable, "-m", "deploy.cli", "sandbox", "serve", "--log-dir", str(tmp_path), *argv],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0] and "Traceback" not in res.stderr
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
+def test_bench_sandbox_smoke(capsys):
+    from bench import sandbox
+
+    assert sandbox.main(["--json", "--calls-1", "4", "--calls-8", "8", "--rounds", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["targets"]) == {"isolation_overhead_p50_ms", "calls_per_s_8_clients"}
+    for t in out["targets"].values():
+        assert set(t) == {"value", "goal", "met"} and isinstance(t["met"], bool)
+    assert out["sandbox_8_clients"]["calls"] == 8 and out["plain_subprocess_1_client"]["calls"] == 4
+    assert out["targets"]["calls_per_s_8_clients"]["value"] == out["sandbox_8_clients"]["calls_per_s"]
