@@ -8,9 +8,9 @@ accepts the draws, the pool's stream sees them, a tool may be called or the traj
 Admission resumes from the WAL: the committed tokens of a trajectory are loaded, a KV snapshot is
 used when it validates (trajectory, token prefix, policy version, model fingerprint, dtype, crc),
 else the committed tokens are re-prefilled; both paths are counted with the rejection reason.
-Finishing: verify with the domain's verifier → `sink` (the data plane) → report to the pool; the WAL
-finalize happens when the pool acknowledges (next call), so a crash in between only repeats an
-idempotent put.
+Finishing: verify with the domain's verifier → report to the pool, which puts the trajectory into the
+data plane and acknowledges; the WAL finalize happens on that acknowledgement (next call), so a crash
+in between only repeats an idempotent put.
 """
 from __future__ import annotations
 
@@ -48,7 +48,6 @@ class WorkerSpec:
     sandbox_target: str = ""
     sandbox_token: str = ""
     max_tool_calls: int = 4
-    sink: object | None = None  # picklable factory: sink() -> object with put(Finished) (the data plane)
     wal_open_wait_s: float = 30.0
 
 
@@ -80,7 +79,6 @@ class RolloutWorker:
         self.wal = _open_wal(spec)
         self.store = SnapshotStore(spec.snapshot_uri)
         self.tools = agent.ToolGateway(spec.sandbox_target, spec.sandbox_token) if spec.sandbox_target else None
-        self.sink = spec.sink() if spec.sink else None
         self.queue: deque[Request] = deque()
         self.reqs: dict[str, Request] = {}
         self.prompt_len: dict[str, int] = {}
@@ -234,8 +232,6 @@ class RolloutWorker:
                        self.wal.policy_versions(traj), p, completion, float(reward), reason, seq.reason)
         if len(fin.logprobs) != len(fin.tokens):
             raise AssertionError(f"{traj}: WAL holds {len(fin.logprobs)} tokens, engine {len(fin.tokens)}")
-        if self.sink is not None:
-            self.sink.put(fin)
         eng.remove(traj)
         self._finished.append(fin)
         self.counters["finished"] += 1

@@ -1,0 +1,46 @@
+"""`postrain rollout`: N episodes of a domain through preemptible Ray rollout workers (optionally under chaos)."""
+from deploy.commands._common import add_config_args
+
+NAME = "rollout"
+HELP = "roll out N episodes of a domain with Ray workers that survive preemption and kills (--chaos injects faults)"
+
+
+def add_arguments(p):
+    p.add_argument("--checkpoint", required=True, help="HF causal-LM checkpoint directory (e.g. OUT/final of `postrain sft`)")
+    p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
+    p.add_argument("--n", type=int, default=16, help="episodes to roll out")
+    p.add_argument("--workers", type=int, help="rollout workers (overrides pool.workers)")
+    p.add_argument("--seed", type=int, help="run seed: trajectory ids and sampling (overrides pool.seed)")
+    p.add_argument("--chaos", type=int, metavar="SEED", help="inject faults on a schedule drawn from SEED")
+    p.add_argument("--faults", type=int, default=5, help="faults injected under --chaos (default 5: one of each kind)")
+    p.add_argument("--out", required=True, help="run directory (must be empty or absent)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_config_args(p)
+
+
+def run(args) -> int:
+    import json
+
+    from deploy import config
+    from deploy.commands._common import default_config
+    from deploy.errors import UserError
+    from rollout.config import RolloutConfig
+    from rollout.run import rollout_run
+
+    if args.n < 1 or args.faults < 0:
+        raise UserError("rollout: --n must be >= 1 and --faults >= 0")
+    overrides = list(args.overrides)
+    if args.workers is not None:
+        overrides.append(f"pool.workers={args.workers}")
+    if args.seed is not None:
+        overrides.append(f"pool.seed={args.seed}")
+    cfg = config.load(RolloutConfig, args.config or default_config("rollout"), overrides)
+    report = rollout_run(cfg, args.checkpoint, args.domain, args.n, args.out, args.chaos, args.faults, args.quiet)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{report['completed']}/{report['n']} episodes, mean reward {report['mean_reward']:.3f}, "
+              f"faults {report['faults_injected']}, resumes {report['resumes']}, tokens lost {report['tokens_lost']}, "
+              f"resampled {report['tokens_resampled']}, tool calls {report['tool_calls']} -> {args.out}/report.json")
+    return 0

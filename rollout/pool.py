@@ -1,0 +1,253 @@
+"""RolloutPool: feeds Ray rollout workers, collects finished trajectories, survives worker death.
+
+Each worker slot k owns an in-process WAL directory (RUN/wal/k) and a share of the requests (request
+i goes to slot i mod W, at most `max_batch` of them in the worker at once). When a worker dies
+(`ray.kill`, SIGKILL of its process, a failed call) or is preempted gracefully, the pool starts a
+replacement on the same slot and resubmits the slot's unfinished requests: the replacement resumes
+them from the WAL (and the KV snapshots a graceful preemption wrote). Finished trajectories go to the
+sink (the data plane) first, and are acknowledged to the worker afterwards, which only then
+finalizes them in its WAL.
+
+The pool also audits the stream it received: every committed token it was shown must appear at its
+position in the final trajectory (`tokens_lost`), and no position may be reported twice
+(`tokens_resampled`).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollout.chaos import Fault
+from rollout.config import EngineConfig, PoolConfig
+from rollout.types import Finished, Request, WorkerReport
+from rollout.worker import WorkerSpec
+
+
+@dataclass
+class _Slot:
+    index: int
+    spec: WorkerSpec
+    actor: object = None
+    pid: int = 0
+    incarnation: int = 0
+    ref: object = None  # the outstanding run() call
+    backlog: deque = field(default_factory=deque)  # requests not yet handed to the current incarnation
+    inside: set = field(default_factory=set)  # handed to the current incarnation, not finished
+    acks: list = field(default_factory=list)  # finished + stored, to finalize on the next call
+    unconfirmed: list = field(default_factory=list)  # acks sent in the outstanding call
+
+
+@dataclass
+class PoolResult:
+    finished: dict[str, Finished]
+    faults: Counter
+    counters: Counter
+    tokens_lost: int
+    tokens_resampled: int
+    replacements: int
+    wall_s: float
+
+
+def init_ray(num_cpus: int = 2) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+
+
+class RolloutPool:
+    def __init__(self, checkpoint: str | Path, run_dir: str | Path, pool: PoolConfig, engine: EngineConfig,
+                 *, sink=None, max_tool_calls: int = 4, use_tools: bool = True, progress=None):
+        import ray
+
+        init_ray()
+        self.ray = ray
+        self.cfg, self.sink, self.progress = pool, sink, progress
+        self.run_dir = Path(run_dir)
+        self.sandbox = None
+        target, token = pool.sandbox_addr, os.environ.get("POSTRAIN_SANDBOX_TOKEN", "")
+        if use_tools and not target:  # embedded default: a local sandbox service for this run
+            from rewards.sandbox.config import SandboxConfig
+            from rewards.sandbox.server import SandboxServer
+
+            self.sandbox = SandboxServer(SandboxConfig(log_dir=self.run_dir / "sandbox"))
+            target, token = self.sandbox.target, self.sandbox.token
+        snap = pool.snapshot_uri or str(self.run_dir / "kv")
+        self.weights_ref, self.version = None, 0
+        self.slots = [
+            _Slot(k, WorkerSpec(name=f"w{k}", checkpoint=str(checkpoint), wal_path=str(self.run_dir / "wal" / str(k)),
+                                snapshot_uri=snap, seed=pool.seed, engine=engine, threads=pool.threads_per_worker,
+                                wal_addr=pool.wal_addr, sandbox_target=target if use_tools else "",
+                                sandbox_token=token, max_tool_calls=max_tool_calls))
+            for k in range(pool.workers)
+        ]
+        for s in self.slots:
+            self._start(s)
+        self.replacements = 0
+        self.faults: Counter = Counter()
+        self._dead_counters: Counter = Counter()
+        self._live_counters: dict[int, dict] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def _start(self, slot: _Slot) -> None:
+        from rollout.worker import RolloutActor
+
+        slot.actor = RolloutActor.options(name=None).remote(slot.spec, self.weights_ref, self.version)
+        slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
+        slot.incarnation += 1
+        slot.ref = None
+
+    def _replace(self, slot: _Slot, why: str) -> None:
+        if self.replacements >= self.cfg.max_replacements:
+            raise RuntimeError(f"rollout pool: {self.replacements} worker replacements reached the bound "
+                               f"(pool.max_replacements); last cause on worker {slot.index}: {why}")
+        self.replacements += 1
+        try:
+            self.ray.kill(slot.actor, no_restart=True)
+        except Exception:  # already dead
+            pass
+        self._dead_counters.update(self._live_counters.pop(slot.index, {}))
+        slot.backlog.extendleft(reversed(sorted(slot.inside, key=lambda r: r.traj_id)))  # resume these first
+        slot.inside.clear()
+        slot.acks = slot.unconfirmed + slot.acks  # the finalize may not have happened: send it again
+        slot.unconfirmed = []
+        self._start(slot)
+
+    def update_weights(self, state: dict, version: int) -> None:
+        """New policy weights on every worker (and on every replacement started later)."""
+        self.weights_ref, self.version = self.ray.put(state), version
+        for s in self.slots:
+            self._settle(s)
+            self.ray.get(s.actor.update_weights.remote(self.weights_ref, version), timeout=self.cfg.call_timeout_s)
+
+    def close(self) -> None:
+        for s in self.slots:
+            try:
+                self.ray.kill(s.actor, no_restart=True)
+            except Exception:
+                pass
+        if self.sandbox is not None:
+            self.sandbox.stop()
+            self.sandbox = None
+        if self.sink is not None and hasattr(self.sink, "close"):
+            self.sink.close()
+
+    # -- the run loop -------------------------------------------------------------------------
+    def run(self, requests: list[Request], chaos: list[Fault] | None = None) -> PoolResult:
+        t0 = time.monotonic()
+        for i, r in enumerate(requests):
+            self.slots[i % len(self.slots)].backlog.append(r)
+        self._want = {r.traj_id for r in requests}
+        self._done: dict[str, Finished] = {}
+        self._stream: dict[str, dict[int, int]] = {r.traj_id: {} for r in requests}
+        self._resampled = 0
+        faults = deque(sorted(chaos or [], key=lambda f: f.iteration))
+        it = 0
+        while len(self._done) < len(self._want):
+            it += 1
+            for s in self.slots:
+                if s.ref is None:
+                    self._call(s)
+            refs = [s.ref for s in self.slots if s.ref is not None]
+            ready, _ = self.ray.wait(refs, num_returns=1, timeout=self.cfg.call_timeout_s)
+            if not ready:
+                raise RuntimeError(f"rollout pool: no worker answered in {self.cfg.call_timeout_s}s")
+            for s in self.slots:
+                if s.ref is not None and s.ref in ready:
+                    self._settle(s)
+            while faults and faults[0].iteration <= it and len(self._done) < len(self._want):
+                self._inject(faults.popleft())
+        counters = Counter(self._dead_counters)
+        for c in self._live_counters.values():
+            counters.update(c)
+        lost = 0
+        for traj, seen in self._stream.items():
+            final = self._done[traj].tokens
+            lost += sum(1 for pos, t in seen.items() if pos >= len(final) or final[pos] != t)
+        return PoolResult(dict(self._done), Counter(self.faults), counters, lost, self._resampled,
+                          self.replacements, time.monotonic() - t0)
+
+    def _call(self, s: _Slot) -> None:
+        room = self.slots[0].spec.engine.max_batch - len(s.inside)
+        new = [s.backlog.popleft() for _ in range(min(room, len(s.backlog)))]
+        s.inside.update(new)
+        s.unconfirmed, s.acks = s.acks, []
+        s.ref = s.actor.run.remote(new, s.unconfirmed, self.cfg.steps_per_call)
+
+    def _settle(self, s: _Slot) -> None:
+        """Collect the outstanding call of `s` (replacing the worker if it died)."""
+        if s.ref is None:
+            return
+        ref, s.ref = s.ref, None
+        try:
+            report: WorkerReport = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
+        except (self.ray.exceptions.RayActorError, self.ray.exceptions.GetTimeoutError,
+                self.ray.exceptions.WorkerCrashedError) as exc:
+            self._replace(s, type(exc).__name__)
+            return
+        s.unconfirmed = []
+        self._live_counters[s.index] = report.counters
+        for traj, (start, toks) in report.committed.items():
+            seen = self._stream.setdefault(traj, {})
+            for i, t in enumerate(toks):
+                if start + i in seen:
+                    self._resampled += 1
+                seen[start + i] = t
+        fresh = [f for f in report.finished if f.traj_id not in self._done]
+        if self.sink is not None and fresh:
+            self.sink.put(fresh)  # in the data plane before the worker may finalize it in its WAL
+        for f in report.finished:
+            if f.traj_id in self._done and self._done[f.traj_id].tokens != f.tokens:
+                raise RuntimeError(f"trajectory {f.traj_id} finished twice with different tokens")
+            self._done[f.traj_id] = f
+            s.inside.discard(next((r for r in s.inside if r.traj_id == f.traj_id), None))
+            s.acks.append(f.traj_id)
+        if fresh and self.progress:
+            self.progress(len(fresh))
+
+    def _inject(self, f: Fault) -> None:
+        s = self.slots[f.slot % len(self.slots)]
+        self.faults[f.kind] += 1
+        if f.kind.startswith("preempt"):
+            self._settle(s)  # the notice arrives between calls
+            if s.ref is None and s.actor is not None:
+                try:
+                    self.ray.get(s.actor.preempt.remote(), timeout=self.cfg.call_timeout_s)
+                except self.ray.exceptions.RayActorError:
+                    pass
+            if f.kind != "preempt":
+                from rollout.snapshot import SnapshotStore
+
+                for p in SnapshotStore(s.spec.snapshot_uri).ids_on_disk():
+                    if f.kind == "preempt_delete":
+                        os.unlink(p)
+                    else:
+                        _flip_byte(p)
+            self._replace(s, f.kind)
+        elif f.kind == "ray_kill":
+            self.ray.kill(s.actor, no_restart=True)
+            if s.ref is None:
+                self._replace(s, f.kind)
+        elif f.kind == "sigkill":
+            try:
+                os.kill(s.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if s.ref is None:
+                self._replace(s, f.kind)
+        else:
+            raise ValueError(f"unknown fault kind {f.kind!r}")
+
+
+def _flip_byte(path: str) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(0, 2)
+        size = fh.tell()
+        fh.seek(size // 2)
+        b = fh.read(1)
+        fh.seek(size // 2)
+        fh.write(bytes([b[0] ^ 0xFF]))

@@ -1,0 +1,76 @@
+"""One `postrain rollout` run: N episodes of a domain through the pool, into the data plane, with a report.
+
+Trajectory ids and sampling follow from the run seed, so two runs of the same command produce the
+same trajectories (`token_hash` per trajectory), with or without injected faults.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import rewards
+from deploy.atomic import write_atomic
+from deploy.errors import UserError
+from rollout import chaos as chaos_mod
+from rollout.config import RolloutConfig
+from rollout.sampling import SamplingParams
+from rollout.types import Request
+
+
+def requests_for(domain: str, n: int, cfg: RolloutConfig) -> list[Request]:
+    d = rewards.domain(domain)
+    s = cfg.sampling
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                            stop=("</call>",) if d.uses_tools else ())
+    prompts = d.prompts("train", n, cfg.pool.seed)
+    return [Request(f"{domain}-{cfg.pool.seed}-{i:06d}", domain, p, params) for i, p in enumerate(prompts)]
+
+
+def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int, out: str | Path,
+                chaos_seed: int | None = None, faults: int = 5, quiet: bool = False) -> dict:
+    from deploy.progress import progress
+    from rollout.pool import RolloutPool
+    from rollout.sink import DataPlaneSink
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"rollout: output directory {out} is not empty; pick a fresh --out (its WAL would resume an old run)")
+    if not (Path(checkpoint) / "config.json").is_file():
+        raise UserError(f"rollout: no HF checkpoint at {checkpoint} (config.json missing)")
+    try:
+        dom = rewards.domain(domain)
+    except rewards.UnknownDomain as exc:
+        raise UserError(str(exc)) from None
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "config.json", json.dumps(cfg.model_dump(mode="json"), indent=2).encode())
+    requests = requests_for(domain, n, cfg)
+    schedule = chaos_mod.schedule(chaos_seed, cfg.pool.workers, faults) if chaos_seed is not None else []
+    sink = DataPlaneSink(str(out / "catalog.db"), str(out / "store"), run=out.name)
+    t0 = time.monotonic()
+    with progress("rollout", len(requests), quiet=quiet) as advance:
+        pool = RolloutPool(checkpoint, out, cfg.pool, cfg.engine, sink=sink, max_tool_calls=cfg.sampling.max_tool_calls,
+                           use_tools=dom.uses_tools, progress=lambda k: advance(k))
+        try:
+            res = pool.run(requests, schedule)
+        finally:
+            pool.close()
+    wall = time.monotonic() - t0
+    c = res.counters
+    trajs = [{"id": r.traj_id, "length": len(res.finished[r.traj_id].tokens), "reward": res.finished[r.traj_id].reward,
+              "token_hash": res.finished[r.traj_id].token_hash} for r in requests if r.traj_id in res.finished]
+    report = {
+        "domain": domain, "n": n, "workers": cfg.pool.workers, "seed": cfg.pool.seed, "chaos_seed": chaos_seed,
+        "completed": len(trajs), "completion_rate": len(trajs) / max(1, n),
+        "mean_reward": sum(t["reward"] for t in trajs) / max(1, len(trajs)),
+        "trajectories": trajs,
+        "faults_injected": dict(res.faults),
+        "resumes": {"kv_restore": c["kv_restore"], "reprefill": c["reprefill"], "complete": c["resumed_complete"]},
+        "snapshot_rejected": {k.removeprefix("snapshot_"): v for k, v in c.items()
+                              if k.startswith("snapshot_") and k != "snapshots_written"},
+        "tokens_lost": res.tokens_lost, "tokens_resampled": res.tokens_resampled,
+        "tool_calls": {"executed": c["tool_executed"], "recorded": c["tool_recorded"]},
+        "tokens_committed": c["tokens_committed"], "replacements": res.replacements, "wall_s": round(wall, 3),
+    }
+    write_atomic(out / "report.json", json.dumps(report, indent=2).encode())
+    return report
