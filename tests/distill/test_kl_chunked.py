@@ -91,8 +91,8 @@ def test_near_one_hot_is_finite_and_exact(dtype):
     ref_loss, ref_gh, ref_gW = reverse_kl_reference(h_s, W_s, h_t, W_t)
     assert ref_loss.item() > 100.0
     assert rel_err(loss, ref_loss) <= TOL[dtype]["loss"]
-    assert (gh.double() - ref_gh).abs().max().item() <= 1e-6
-    assert (gW.double() - ref_gW).abs().max().item() <= 1e-6
+    assert (gh.double() - ref_gh).abs().max().item() <= 1e-3 * ref_gh.abs().max().item() + 1e-6
+    assert (gW.double() - ref_gW).abs().max().item() <= 1e-3 * ref_gW.abs().max().item() + 1e-6
 
 
 def test_peaked_distributions_are_exact():
