@@ -1,0 +1,206 @@
+"""The gRPC log service: round trips, error statuses, auth, bounded and malformed messages, and a
+server SIGKILLed mid-stream and restarted while a client keeps appending (no loss, no duplicate)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+import wal
+from wal import wal_pb2 as pb
+from wal.client import AuthError
+from wal.config import ServeConfig
+from wal.server import SERVICE, Server
+from wal.verify import verify
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = Server(tmp_path / "log", ServeConfig(port=0, max_message_bytes=1 << 20))
+    yield srv
+    srv.stop(0)
+
+
+def test_remote_roundtrip_and_errors(server):
+    c = wal.connect(server.address, retry_s=5)
+    c.append("a", 0, [1, 2, 3], [-0.1, -0.2, -0.3], 0)
+    c.append("b", 0, [7], [-7.0], 2)
+    assert c.tokens("a") == [], "nothing is readable before it is committed"
+    c.commit()
+    c.append("a", 3, [4], [-0.4], 1)
+    c.append("a", 0, [1, 2], [-0.1, -0.2], 0)  # exact repeat: acknowledged, not duplicated
+    assert c.commit() >= 0
+    assert c.tokens("a") == [1, 2, 3, 4] and c.logprobs("a") == [-0.1, -0.2, -0.3, -0.4]
+    assert c.policy_versions("a") == [0, 0, 0, 1]
+    assert c.trajectories() == ["a", "b"]
+    c.append("a", 9, [1], [-1.0], 1)
+    with pytest.raises(wal.GapError, match="gap"):
+        c.commit()
+    c.append("a", 1, [99], [-0.2], 0)
+    with pytest.raises(wal.ConflictError, match="rewrites position 1"):
+        c.commit()
+    c.finalize("b")
+    assert c.trajectories() == ["a"]
+    c.append("b", 1, [8], [-8.0], 2)
+    with pytest.raises(wal.FinalizedError):
+        c.commit()
+    with pytest.raises(wal.FinalizedError):
+        c.tokens("b")
+    stats = c.stats()
+    assert stats["trajectories"] == 1 and stats["live_tokens"] == 4
+    c.append("a", 4, [5], [-0.5], 1)  # the client still works after errors
+    c.commit()
+    assert c.tokens("a") == [1, 2, 3, 4, 5]
+    c.close()
+
+
+def test_long_trajectory_reads_in_chunks(tmp_path):
+    srv = Server(tmp_path, ServeConfig(port=0, max_read_tokens=1000))
+    try:
+        c = wal.connect(srv.address)
+        n = 5500
+        c.append("long", 0, list(range(n)), [-(i % 7) / 7 for i in range(n)], 3)
+        c.commit()
+        assert c.tokens("long") == list(range(n))
+        assert c.policy_versions("long") == [3] * n
+        c.close()
+    finally:
+        srv.stop(0)
+
+
+def test_bad_auth_is_refused(tmp_path):
+    srv = Server(tmp_path, ServeConfig(port=0), token="s3cret")
+    try:
+        for token in (None, "wrong"):
+            c = wal.connect(srv.address, token=token, retry_s=5)
+            c.append("a", 0, [1], [-1.0], 0)
+            with pytest.raises(AuthError, match="token"):
+                c.commit()
+            with pytest.raises(AuthError):
+                c.trajectories()
+            c.close()
+        good = wal.connect(srv.address, token="s3cret")
+        good.append("a", 0, [1], [-1.0], 0)
+        good.commit()
+        assert good.tokens("a") == [1]
+        good.close()
+    finally:
+        srv.stop(0)
+
+
+def test_non_loopback_without_token_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="without a token"):
+        Server(tmp_path, ServeConfig(host="0.0.0.0", port=0))
+
+
+def _raw_call(address, method, payload: bytes, stream=False):
+    ch = grpc.insecure_channel(address)
+    try:
+        if stream:
+            call = ch.stream_stream(f"/{SERVICE}/{method}")
+            return list(call(iter([payload]), timeout=10))
+        return ch.unary_unary(f"/{SERVICE}/{method}")(payload, timeout=10)
+    finally:
+        ch.close()
+
+
+def test_malformed_messages_get_invalid_argument(server):
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server.address, "Read", b"\xff\xff\xff\xff garbage")
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "malformed ReadRequest" in e.value.details()
+    bad = pb.AppendRequest(batch_id=1, commit=True, chunks=[pb.TokenChunk(traj_id="t", start=0, tokens=b"\1\2\3", logprobs=b"")])
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server.address, "Append", bad.SerializeToString(), stream=True)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "multiple of 4" in e.value.details()
+    bad = pb.AppendRequest(batch_id=2, commit=True, chunks=[pb.TokenChunk(traj_id="t", start=0, tokens=b"\1\0\0\0", logprobs=b"\0" * 4)])
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server.address, "Append", bad.SerializeToString(), stream=True)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in e.value.details()
+    nan = pb.AppendRequest(batch_id=3, commit=True, chunks=[pb.TokenChunk(traj_id="t", start=0, tokens=b"\1\0\0\0", logprobs=b"\xff" * 8)])
+    with pytest.raises(grpc.RpcError) as e:
+        _raw_call(server.address, "Append", nan.SerializeToString(), stream=True)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "NaN" in e.value.details()
+    assert wal.connect(server.address).trajectories() == [], "refused messages must not write anything"
+
+
+def test_oversized_message_is_refused(server):
+    c = wal.connect(server.address, retry_s=5, max_message_bytes=8 << 20, max_pending_bytes=8 << 20)
+    n = 200_000  # 2.4 MB of payload against the server's 1 MiB bound
+    c.append("big", 0, [1] * n, [-1.0] * n, 0)
+    with pytest.raises(wal.RemoteError, match="RESOURCE_EXHAUSTED"):
+        c.commit()
+    c.append("small", 0, [1], [-1.0], 0)
+    c.commit()
+    assert c.trajectories() == ["small"]
+    c.close()
+
+
+# --- server killed mid-stream --------------------------------------------------------------------
+
+def _start_server(directory, port: int) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "wal", "serve", "--dir", str(directory), "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r"on 127\.0\.0\.1:(\d+)", line)
+    assert m, f"server did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+    return proc, int(m.group(1))
+
+
+def _tok(t: int, p: int) -> int:
+    return (t * 100_003 + p * 13) % 32_000
+
+
+def test_server_sigkilled_mid_stream_client_finishes_without_loss_or_duplicate(tmp_path):
+    directory = tmp_path / "log"
+    proc, port = _start_server(directory, 0)
+    steps, trajs, per = 120, 3, 7
+    progress = {"steps": 0}
+    errors: list[BaseException] = []
+
+    def client_loop():
+        try:
+            c = wal.connect(f"127.0.0.1:{port}", retry_s=60)
+            for s in range(steps):
+                for t in range(trajs):
+                    c.append(f"t{t}", s * per, [_tok(t, s * per + i) for i in range(per)],
+                             [-(s * per + i) / 1000 for i in range(per)], s // 40)
+                c.commit()
+                progress["steps"] = s + 1
+            progress["reconnects"] = c.reconnects
+            c.close()
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    th = threading.Thread(target=client_loop)
+    th.start()
+    try:
+        for kill_at in (20, 70):
+            deadline = time.monotonic() + 60
+            while progress["steps"] < kill_at and time.monotonic() < deadline and th.is_alive():
+                time.sleep(0.002)
+            assert progress["steps"] < steps, "the client finished before the server was killed"
+            os.kill(proc.pid, signal.SIGKILL)  # mid-stream: the client is appending and committing
+            proc.wait(timeout=30)
+            time.sleep(0.3)
+            proc, _ = _start_server(directory, port)
+        th.join(timeout=120)
+        assert not th.is_alive() and not errors, errors
+        assert progress["reconnects"] >= 2, "the client should have reconnected after each kill"
+        c = wal.connect(f"127.0.0.1:{port}")
+        for t in range(trajs):
+            assert c.tokens(f"t{t}") == [_tok(t, p) for p in range(steps * per)], "lost or duplicated tokens"
+            assert c.logprobs(f"t{t}") == [-p / 1000 for p in range(steps * per)]
+        c.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    report = verify(directory)
+    assert report["tokens"] == trajs * steps * per, "a retried batch was written twice"
+    assert report["ok"]
