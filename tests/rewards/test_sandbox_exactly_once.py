@@ -127,3 +127,58 @@ def test_sigkill_takes_running_sandboxes_down(tmp_path):
     finally:
         client.close()
         srv.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1])
+def test_counter_at_most_once_under_random_sigkill(tmp_path, seed):
+    """Seeded kill -9 at random moments while a client keeps calling. Every increment of the counter must
+    be explained by exactly one logged call: the values in recorded results strictly increase, and each
+    jump between consecutive recorded values is covered by aborted (invoked, no result) calls in between."""
+    import random
+
+    rng = random.Random(seed)
+    log_dir = tmp_path / "svc"
+    srv = ServerProcess(log_dir, TOKEN)
+    port = srv.port
+    client = SandboxClient(srv.target, TOKEN, timeout_s=10, retries=60, backoff_s=0.05)
+    stop = threading.Event()
+    seq = [0]
+
+    def caller():
+        while not stop.is_set():
+            try:
+                client.execute("rand", seq[0], "counter", f"c {rng.randrange(0, 120)}")
+            except InvocationAborted:
+                pass  # the caller's decision: move on
+            except Exception:  # noqa: BLE001 - e.g. retries exhausted while the service restarts
+                continue
+            seq[0] += 1
+
+    t = threading.Thread(target=caller)
+    t.start()
+    try:
+        for _ in range(8):
+            time.sleep(rng.uniform(0.1, 0.8))
+            srv.kill()
+            srv = ServerProcess(log_dir, TOKEN, port=port)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        t.join(60)
+    try:
+        entries, _ = client.entries("rand")
+    finally:
+        client.close()
+        srv.kill()
+    values, aborted_since_last, last = [], 0, 0
+    for e in entries:
+        if e.result is None:
+            aborted_since_last += 1
+            continue
+        v = int(e.result.result.output)
+        assert v > last and v - last - 1 <= aborted_since_last, (v, last, aborted_since_last)
+        values.append(v)
+        last, aborted_since_last = v, 0
+    assert _counter(log_dir) - last <= aborted_since_last
+    assert len(values) >= 5, "too few calls completed for the test to mean anything"
