@@ -1,0 +1,178 @@
+"""The learner group: N ranks of one torch.distributed group (gloo on CPU, NCCL on GPU) as Ray actors.
+
+`LearnerWorker` is one rank and runs in any process; with one rank it needs neither Ray nor a process
+group (collectives are no-ops). `LearnerGroup` starts N `LearnerWorker` Ray actors, gives them a
+rendezvous address on a free port, and fans each step out: rank r trains on its share of the plan,
+DDP all-reduces the gradients, every rank applies the same AdamW update.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from learner.config import PolicyConfig
+from learner.grpo_config import GRPOConfig
+from learner.train_step import Collectives, Learner, PackedBatch, pick_device
+
+RESERVED_PORTS = {6379}  # Redis (and Ray's default GCS port) on this machine
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 16) -> int:
+    """A TCP port the OS reports free, never one of RESERVED_PORTS."""
+    for _ in range(attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in RESERVED_PORTS:
+            return port
+    raise RuntimeError(f"no free port on {host} after {attempts} attempts")
+
+
+def make_policy(source: PolicyConfig | str | Path):
+    """(model, tokenizer) from a PolicyConfig (fresh, seeded) or an HF checkpoint directory."""
+    from learner.policy import build_policy, load_policy
+
+    if isinstance(source, PolicyConfig):
+        return build_policy(source)
+    return load_policy(source)
+
+
+class LearnerWorker:
+    """One learner rank. Builds the policy, joins the process group (when world > 1), wraps DDP."""
+
+    def __init__(self, cfg: GRPOConfig, policy: PolicyConfig | str | Path, rank: int = 0, world: int = 1,
+                 master: tuple[str, int] | None = None, dtype: str | None = None):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        threads = cfg.learner.threads or max(1, (os.cpu_count() or 1) // world)
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.learner.seed + rank)
+        device = pick_device(cfg.learner.device)
+        if world > 1:
+            import torch.distributed as dist
+
+            if master is None:
+                raise ValueError("a learner group of more than one rank needs a master (host, port)")
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
+                                    world_size=world, timeout=timedelta(minutes=10))
+        self.model, self.tokenizer = make_policy(policy)
+        if dtype is not None:
+            self.model.to(getattr(torch, dtype))
+        ref = copy.deepcopy(self.model).requires_grad_(False) if cfg.loss.kl_coef > 0 else None
+        wrap = None
+        if world > 1:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            def wrap(module):
+                return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+                           broadcast_buffers=False)
+        self.learner = Learner(self.model, cfg, Collectives(world, device), ref_model=ref, wrap=wrap)
+
+    def train_step(self, micro_batches: list[PackedBatch]) -> dict[str, float]:
+        return self.learner.train_step(micro_batches)
+
+    def set_policy_version(self, version: int) -> None:
+        self.learner.policy_version = int(version)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+
+    def rng_state(self) -> dict:
+        from learner.checkpoint import capture_rng
+
+        return capture_rng()
+
+    def save_checkpoint(self, root: str | Path, iteration: int, rng_states: list[dict] | None = None) -> str:
+        from learner.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(root, iteration, self.model, self.tokenizer, self.learner.state(),
+                                   rng_states or [self.rng_state()]))
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Weights, optimizer, schedule, step, version and this rank's RNG from a checkpoint."""
+        from learner.checkpoint import load_into
+
+        return load_into(path, self.model, self.learner, self.rank)
+
+    def close(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class LearnerGroup:
+    """N learner ranks; one rank runs in this process, more run as Ray actors."""
+
+    def __init__(self, cfg: GRPOConfig, policy: PolicyConfig | str | Path, num_cpus_per_rank: float = 1.0,
+                 dtype: str | None = None):
+        self.cfg = cfg
+        self.ranks = cfg.learner.ranks
+        self.actors = []
+        self.local: LearnerWorker | None = None
+        if self.ranks == 1:
+            self.local = LearnerWorker(cfg, policy, dtype=dtype)
+            return
+        import ray
+
+        if not ray.is_initialized():
+            raise RuntimeError("a learner group of more than one rank needs ray.init() first")
+        gpus = 1 if pick_device(cfg.learner.device).type == "cuda" else 0
+        Actor = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=gpus)(LearnerWorker)
+        # Rank 0 hosts the rendezvous; its node address is where every rank connects.
+        host = ray.util.get_node_ip_address()
+        master = (host, free_port(host if host != "127.0.0.1" else "127.0.0.1"))
+        self.actors = [Actor.remote(cfg, policy, r, self.ranks, master, dtype) for r in range(self.ranks)]
+        ray.get([a.__ray_ready__.remote() for a in self.actors])
+
+    def _call(self, method: str, per_rank_args: list[tuple] | None = None):
+        if self.local is not None:
+            return [getattr(self.local, method)(*(per_rank_args[0] if per_rank_args else ()))]
+        import ray
+
+        refs = [getattr(a, method).remote(*(per_rank_args[r] if per_rank_args else ())) for r, a in enumerate(self.actors)]
+        return ray.get(refs)
+
+    def train_step(self, per_rank: list[list[PackedBatch]]) -> dict[str, float]:
+        """One optimizer step; `per_rank[r]` are rank r's micro-batches. Returns the global metrics."""
+        if len(per_rank) != self.ranks:
+            raise ValueError(f"train_step got micro-batches for {len(per_rank)} ranks, the group has {self.ranks}")
+        return self._call("train_step", [(mbs,) for mbs in per_rank])[0]
+
+    def set_policy_version(self, version: int) -> None:
+        self._call("set_policy_version", [(version,)] * self.ranks)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.local is not None:
+            return self.local.weights()
+        import ray
+
+        return ray.get(self.actors[0].weights.remote())
+
+    def save_checkpoint(self, root: str | Path, iteration: int) -> Path:
+        rngs = self._call("rng_state")
+        if self.local is not None:
+            return Path(self.local.save_checkpoint(root, iteration, rngs))
+        import ray
+
+        return Path(ray.get(self.actors[0].save_checkpoint.remote(str(root), iteration, rngs)))
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        return self._call("load_checkpoint", [(str(path),)] * self.ranks)[0]
+
+    def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
+            return
+        import ray
+
+        ray.get([a.close.remote() for a in self.actors])
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
