@@ -9,6 +9,7 @@ removed, so a finalize record always outlives the token records it kills.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -154,35 +155,60 @@ class Store:
             return rec.traj_id not in self.tokens.finalized
         return not isinstance(rec, FinalizeRecord)
 
-    def reclaim(self) -> int:
-        """Delete or compact old segments now; returns how many segments were removed."""
+    def reclaim(self, lookahead: int = 16) -> int:
+        """Delete or compact old segments now; returns how many segments were removed.
+
+        Only a prefix of the log can go. The shortest prefix (up to `lookahead` segments) whose live
+        fraction is at most `compact_live_fraction` is compacted: its live records are copied to the
+        head and committed, then its files deleted. A mostly-live oldest segment (where earlier copies
+        landed) therefore does not pin the dead segments behind it.
+        """
         removed = 0
         with self._reclaim_lock:
             with self.mutex:
                 todo = self.log.sealed_segments()
-            for base, path in todo:
-                buf = path.read_bytes()
-                recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
-                with self.mutex:
-                    sealed_bytes = sum(p.stat().st_size for _, p in self.log.sealed_segments())
-                    live = [r for r in recs if self._live(r)]
-                    frames = [codec.encode(r, 0) for r in live]
-                    live_bytes = sum(len(f) for f in frames)
-                    if live and live_bytes > self.config.compact_live_fraction * len(buf) and sealed_bytes <= self.config.retain_bytes:
+            i = 0
+            while i < len(todo):
+                live_bytes = total = 0
+                prefix = []
+                for base, path in todo[i:i + lookahead]:
+                    recs = self._segment_records(base, path)
+                    with self.mutex:
+                        live_bytes += sum(_frame_bytes(r) for r in recs if self._live(r))
+                        sealed = sum(p.stat().st_size for _, p in self.log.sealed_segments())
+                    total += path.stat().st_size
+                    prefix.append((base, recs))
+                    if live_bytes <= self.config.compact_live_fraction * total or sealed > self.config.retain_bytes:
                         break
-                    for r in live:
-                        self.log.append_locked(lambda lsn, r=r: codec.encode(r, lsn))
-                    self.copied_records += len(live)
-                if live:
-                    self.log.commit()
-                self.log.delete_oldest(base)
-                with self.mutex:
-                    for r in recs:
-                        if isinstance(r, FinalizeRecord):
-                            self.tokens.finalized.discard(r.traj_id)
-                removed += 1
-                self.reclaimed_segments += 1
+                else:
+                    break  # no short prefix is worth rewriting yet
+                for base, recs in prefix:
+                    self._compact(base, recs)
+                    removed += 1
+                i += len(prefix)
         return removed
+
+    def _segment_records(self, base: int, path: Path) -> list[Record]:
+        buf = path.read_bytes()
+        recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
+        if recs and sum(_frame_bytes(r) for r in recs) + codec.SEGMENT_HEAD_BYTES != len(buf):
+            raise CorruptionError(f"sealed segment {path} does not decode to its end; run `postrain wal verify`")
+        return recs
+
+    def _compact(self, base: int, recs: list[Record]) -> None:
+        with self.mutex:  # liveness re-checked under the mutex: a finalize cannot slip between check and copy
+            live = [r for r in recs if self._live(r)]
+            for r in live:
+                self.log.append_locked(lambda lsn, r=r: codec.encode(r, lsn))
+            self.copied_records += len(live)
+        if live:
+            self.log.commit()
+        self.log.delete_oldest(base)
+        with self.mutex:
+            for r in recs:
+                if isinstance(r, FinalizeRecord):
+                    self.tokens.finalized.discard(r.traj_id)
+            self.reclaimed_segments += 1
 
     def _reclaim_loop(self) -> None:
         while not self._stop.is_set():
@@ -192,8 +218,9 @@ class Store:
                 return
             try:
                 self.reclaim()
-            except WALError:
-                return  # the log is poisoned or closed; callers see the error themselves
+            except WALError as exc:  # poisoned, closed or damaged: callers see it themselves; stop reclaiming
+                logging.getLogger("wal").warning("retention stopped for %s: %s", self.log.directory, exc)
+                return
 
     # --- reads ---
     def stats(self) -> dict:
@@ -224,6 +251,18 @@ class Store:
         if self._reclaimer.is_alive() and self._reclaimer is not threading.current_thread():
             self._reclaimer.join(timeout=60)
         self.log.close()
+
+
+def _frame_bytes(rec: Record) -> int:
+    """Encoded size of a record, without encoding it."""
+    if isinstance(rec, TokensRecord):
+        body = 9 + codec.TOKENS_HEAD.size + len(rec.traj_id.encode()) + len(rec.tokens) + len(rec.logprobs)
+    elif isinstance(rec, FinalizeRecord):
+        body = 9 + codec.ID_HEAD.size + len(rec.traj_id.encode())
+    else:
+        data = rec.request if isinstance(rec, EnvInvokeRecord) else rec.response
+        body = 9 + codec.ENV_HEAD.size + len(rec.sandbox_id.encode()) + len(data)
+    return codec.FRAME.size + body
 
 
 def _as_bytes(data, what: str) -> bytes:

@@ -1,0 +1,191 @@
+"""TokenWAL semantics: contiguity, no rewrite, idempotent repeats, durable reads, group commit under
+threads, retention (reclaim and compaction) with a long-lived trajectory, and the CLI."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import wal
+from wal import segments
+
+
+def test_append_rules(tmp_path):
+    w = wal.open(tmp_path)
+    with pytest.raises(wal.GapError):
+        w.append("t", 1, [1], [-1.0], 0)  # a trajectory starts at position 0
+    assert w.append("t", 0, [1, 2, 3], [-1.0, -2.0, -3.0], 0) == 3
+    w.append("t", 1, [2, 3, 4], [-2.0, -3.0, -4.0], 0)  # overlap repeats exactly, the rest extends
+    w.commit()
+    assert w.tokens("t") == [1, 2, 3, 4]
+    with pytest.raises(wal.ConflictError, match="rewrites position 2"):
+        w.append("t", 2, [9], [-3.0], 0)
+    with pytest.raises(wal.ConflictError, match="log-prob"):
+        w.append("t", 2, [3], [-3.5], 0)
+    with pytest.raises(wal.ConflictError, match="policy version"):
+        w.append("t", 2, [3], [-3.0], 1)
+    with pytest.raises(wal.GapError, match="gap"):
+        w.append("t", 5, [6], [-6.0], 0)
+    with pytest.raises(ValueError):
+        w.append("t", 4, [5, 6], [-5.0], 0)
+    with pytest.raises(ValueError):
+        w.append("", 0, [5], [-5.0], 0)
+    with pytest.raises(ValueError):
+        w.append("t", 4, [5], [-5.0], -1)
+    before = w.stats()["next_lsn"]
+    w.append("t", 0, [1, 2, 3, 4], [-1.0, -2.0, -3.0, -4.0], 0)
+    assert w.stats()["next_lsn"] == before, "an exact repeat writes nothing"
+    w.append("t", 4, np.array([5], dtype=np.int64), np.array([-5.0], dtype=np.float32), 0)  # numpy in
+    w.append("t", 5, [], [], 0)
+    w.commit()
+    assert w.tokens("t") == [1, 2, 3, 4, 5] and w.length("t") == 5
+    assert w.tokens("unknown") == [] and w.length("unknown") == 0
+    w.close()
+    with pytest.raises(wal.LogClosedError):
+        w.append("t", 5, [6], [-6.0], 0)
+
+
+def test_reads_show_committed_tokens_only(tmp_path):
+    w = wal.open(tmp_path)
+    w.append("t", 0, [1, 2], [-1.0, -2.0], 0)
+    assert w.tokens("t") == [] and w.trajectories() == []
+    w.commit()
+    w.append("t", 2, [3], [-3.0], 0)
+    assert w.tokens("t") == [1, 2] and w.logprobs("t") == [-1.0, -2.0] and w.policy_versions("t") == [0, 0]
+    w.commit()
+    assert w.tokens("t") == [1, 2, 3]
+    w.close()
+
+
+def test_large_append_is_split_into_records(tmp_path):
+    w = wal.open(tmp_path, wal.WALConfig(max_record_tokens=100))
+    w.append("t", 0, list(range(1050)), [-0.5] * 1050, 4)
+    w.commit()
+    assert w.stats()["next_lsn"] == 11
+    w.close()
+    w = wal.open(tmp_path)
+    assert w.tokens("t") == list(range(1050)) and set(w.policy_versions("t")) == {4}
+    w.close()
+
+
+def test_group_commit_many_threads(tmp_path):
+    w = wal.open(tmp_path)
+    n_threads, steps = 8, 40
+    errors = []
+
+    def worker(k):
+        try:
+            for s in range(steps):
+                w.append(f"t{k}", s * 2, [k, s], [-1.0, -2.0], 0)
+                w.commit()
+                # commit returned: everything this thread appended is durable and readable
+                assert w.length(f"t{k}") == (s + 1) * 2
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    stats = w.stats()
+    assert stats["fsyncs"] < n_threads * steps, "commits of concurrent appenders should share fsyncs"
+    w.close()
+    w = wal.open(tmp_path)
+    for k in range(n_threads):
+        assert w.tokens(f"t{k}") == [v for s in range(steps) for v in (k, s)]
+    w.close()
+
+
+def test_retention_bounds_disk_and_keeps_live_data(tmp_path):
+    cfg = wal.WALConfig(segment_bytes=8192, compact_live_fraction=0.5)
+    w = wal.open(tmp_path, cfg)
+    env = w.envlog()
+    env.invoke("sb", 0, b"keep me")
+    env.result("sb", 0, b"kept")
+    long_len = 0
+    peak = 0
+    for i in range(400):  # many short trajectories finalized, one long one never
+        w.append(f"s{i}", 0, list(range(20)), [-0.5] * 20, 0)
+        w.append("long", long_len, [i], [-float(i)], i // 100)
+        long_len += 1
+        w.commit()
+        w.finalize(f"s{i}")
+        if i % 50 == 49:
+            w.reclaim()
+            peak = max(peak, w.stats()["disk_bytes"])
+    w.reclaim()
+    stats = w.stats()
+    written = stats["bytes_written"]
+    assert stats["reclaimed_segments"] > 10
+    assert stats["disk_bytes"] < written / 4, f"disk {stats['disk_bytes']} of {written} written: retention did not reclaim"
+    assert stats["finalized_remembered"] < 400, "tombstones of reclaimed finalize records are forgotten"
+    w.close()
+    w = wal.open(tmp_path, cfg)
+    assert w.trajectories() == ["long"]
+    assert w.tokens("long") == list(range(400))
+    assert w.logprobs("long") == [-float(i) for i in range(400)]
+    assert w.policy_versions("long") == [i // 100 for i in range(400)]
+    assert w.envlog().entries("sb") == [wal.EnvEntry(0, b"keep me", b"kept")]
+    w.close()
+
+
+def test_background_reclaim_runs_after_segment_roll(tmp_path):
+    w = wal.open(tmp_path, wal.WALConfig(segment_bytes=4096))
+    for i in range(300):
+        w.append(f"s{i}", 0, list(range(10)), [-0.5] * 10, 0)
+        w.finalize(f"s{i}")
+    import time
+
+    deadline = time.monotonic() + 20
+    while w.stats()["reclaimed_segments"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert w.stats()["reclaimed_segments"] > 0
+    w.close()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "wal", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_verify_and_dump(tmp_path):
+    w = wal.open(tmp_path)
+    w.append("a", 0, [1, 2], [-1.0, -2.0], 0)
+    w.append("b", 0, [3], [-3.0], 1)
+    w.commit()
+    w.finalize("b")
+    w.close()
+    with open(segments.list_segments(tmp_path)[-1][1], "ab") as f:
+        f.write(b"\x07\x00\x00")  # a torn tail
+    r = _cli("verify", str(tmp_path), "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["records"] == 3 and report["trajectories"] == 1 and report["finalized"] == 1
+    assert report["tokens"] == 3 and report["torn_bytes_cut"] == 3 and report["corruption"] == [] and report["segments"] == 1
+    r = _cli("dump", str(tmp_path), "--traj", "a")
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert rows == [{"lsn": 0, "type": "tokens", "start": 0, "policy_version": 0, "tokens": [1, 2], "logprobs": [-1.0, -2.0]}]
+    # corrupt the first record: verify reports it and fails
+    seg = segments.list_segments(tmp_path)[-1][1]
+    data = bytearray(seg.read_bytes())
+    data[segments.codec.SEGMENT_HEAD_BYTES + 12] ^= 1
+    seg.write_bytes(bytes(data))
+    r = _cli("verify", str(tmp_path), "--json")
+    assert r.returncode == 1 and json.loads(r.stdout)["corruption"][0]["valid_records_follow"]
+    r = _cli("serve", "--dir", str(tmp_path), "--port", "0")
+    assert r.returncode == 2 and "corrupt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_shipped_config_parses():
+    from pathlib import Path
+
+    from deploy.config import load
+    from wal.config import WALFileConfig
+
+    cfg = load(WALFileConfig, Path(__file__).parents[2] / "configs" / "wal.toml")
+    assert cfg.serve.host == "127.0.0.1" and cfg.wal.segment_bytes >= 4096
