@@ -7,12 +7,13 @@ import torch
 from learner.config import PolicyConfig
 from learner.grpo_config import GRPOConfig
 from learner.group import RESERVED_PORTS, LearnerGroup, free_port
+from learner.tokenizer import char_tokenizer
 from learner.train_step import synthetic_packed_batch
 
 ray = pytest.importorskip("ray")
 
 TINY = PolicyConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64, seed=5)
-VOCAB = 99  # the char tokenizer's size
+VOCAB = len(char_tokenizer())
 
 
 def config(ranks: int, aggregation: str) -> GRPOConfig:

@@ -1,0 +1,161 @@
+"""Learner checkpoints: HF weights + optimizer + schedule + RNG + iteration + policy version, atomic.
+
+Layout of `ROOT/iter_00000012/` (written as `ROOT/.tmp-iter_00000012-PID/`, every file fsynced, then
+renamed into place and the root fsynced, so a crash leaves either the old set or the complete new one):
+  model/            `save_pretrained` (safetensors) + tokenizer: what `postrain eval --checkpoint` takes
+  trainer.pt        optimizer and LR-schedule state, optimizer step
+  rng.pt            one RNG state per learner rank (python, numpy, torch CPU, CUDA)
+  state.json        iteration, policy version, step, world size, sha256 of every file above
+`ROOT/latest` names the newest complete checkpoint (written atomically after the rename).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from deploy.atomic import fsync_dir, write_atomic
+from deploy.errors import UserError
+
+FORMAT = 1
+
+
+def capture_rng() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def checkpoint_name(iteration: int) -> str:
+    return f"iter_{iteration:08d}"
+
+
+def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_state: dict,
+                    rng_states: list[dict]) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(iteration)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    model.save_pretrained(tmp / "model", safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp / "model")
+    torch.save(trainer_state, tmp / "trainer.pt")
+    torch.save(rng_states, tmp / "rng.pt")
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    state = {"format": FORMAT, "iteration": iteration, "policy_version": int(trainer_state["policy_version"]),
+             "step": int(trainer_state["step"]), "world_size": len(rng_states),
+             "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving an iteration: move the old one aside, then drop it once the new is in place
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(root)
+    write_atomic(root / "latest", final.name.encode())
+    return final
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        cand = root / pointer.read_text().strip()
+        if (cand / "state.json").is_file():
+            return cand
+    done = sorted(p for p in root.glob("iter_*") if (p / "state.json").is_file())
+    return done[-1] if done else None
+
+
+def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
+    """state.json of a checkpoint, after checking that every file is present and matches its sha256."""
+    path = Path(path)
+    if (path / "latest").is_file() or not (path / "state.json").exists():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise UserError(f"no learner checkpoint at {path} (state.json missing); pass a directory "
+                            "written by the GRPO learner, e.g. RUN/checkpoints/iter_00000010")
+        path = found
+    state = json.loads((path / "state.json").read_text())
+    if state.get("format") != FORMAT:
+        raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT}")
+    if verify:
+        for rel, digest in state["sha256"].items():
+            f = path / rel
+            if not f.is_file():
+                raise UserError(f"checkpoint {path}: file {rel} is missing")
+            if _sha256(f) != digest:
+                raise UserError(f"checkpoint {path}: file {rel} fails its checksum (corrupt); use an older checkpoint")
+    state["path"] = str(path)
+    return state
+
+
+def load_weights(model, model_dir: Path) -> None:
+    """Copy safetensors weights into the existing `model` (so optimizer references stay valid)."""
+    from safetensors.torch import load_file
+
+    index = model_dir / "model.safetensors.index.json"
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    tensors = {}
+    for shard in shards:
+        tensors.update(load_file(model_dir / shard))
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # save_pretrained leaves out tied weights (lm_head = embed_tokens); anything else missing is an error.
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded_ptrs = {params[k].data_ptr() for k in tensors if k in params}
+    untied = [k for k in missing if k not in params or params[k].data_ptr() not in loaded_ptrs]
+    if untied or unexpected:
+        raise UserError(f"checkpoint weights in {model_dir} do not fit the model: missing {untied[:5]}, "
+                        f"unexpected {list(unexpected)[:5]}")
+
+
+def load_into(path: str | Path, model, learner, rank: int = 0) -> dict:
+    """Restore weights, optimizer, schedule, step, policy version and rank `rank`'s RNG; returns state.json."""
+    state = read_checkpoint(path)
+    ckpt = Path(state["path"])
+    load_weights(model, ckpt / "model")
+    learner.load_state(torch.load(ckpt / "trainer.pt", weights_only=False))
+    rngs = torch.load(ckpt / "rng.pt", weights_only=False)
+    restore_rng(rngs[rank % len(rngs)])
+    return state
