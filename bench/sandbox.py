@@ -4,7 +4,10 @@ Measured in one run, same interpreter, same calculator entry point, same express
 - `sandbox`: `postrain sandbox serve` as a child process; each client thread owns a sandbox and issues
   calls seq 0, 1, 2, … over gRPC (token auth, env-log invoke + result fsyncs, bubblewrap, prlimit, setpriv);
 - `isolation_only` (1 client): the same bubblewrap command run in-process, no gRPC and no log;
-- `plain_subprocess`: `subprocess.run` of the same command, no isolation, no log (the baseline).
+- `plain_subprocess`: `subprocess.run` of the same command, no isolation, no log (the baseline), started
+  in a new session as bubblewrap starts the tool (kernel autogroup scheduling gives every session its own
+  CPU share, which on a loaded shared machine would otherwise favour the sandbox);
+  `plain_subprocess_same_session`: the same in the caller's session.
 Runs alternate in rounds so drift of the shared machine hits every variant alike.
 
     python -m bench.sandbox --json [--calls-1 N] [--calls-8 N] [--out bench/results/sandbox.json]
@@ -36,6 +39,13 @@ def _device() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores"
+
+
+def _autogroup() -> bool | None:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
 
 
 def _pct(sorted_ms: list[float], q: float) -> float:
@@ -84,8 +94,8 @@ def _drive(clients: int, calls: int, one_call) -> tuple[list[float], float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.sandbox", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one compact JSON object (default: indented)")
-    ap.add_argument("--calls-1", type=int, default=160, help="calls per variant with 1 client")
-    ap.add_argument("--calls-8", type=int, default=480, help="calls per variant with 8 clients")
+    ap.add_argument("--calls-1", type=int, default=120, help="calls per variant with 1 client")
+    ap.add_argument("--calls-8", type=int, default=320, help="calls per variant with 8 clients")
     ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per variant")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     args = ap.parse_args(argv)
@@ -103,10 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     python = os.path.realpath(sys.executable)
     iso = Isolator(hidden=[Path.home()], exposed=[Path(sys.base_prefix), Path(sys.prefix)])
 
-    def plain(w, i, expr, expected):
-        out = subprocess.run(calc_command(python, expr), capture_output=True, timeout=30).stdout.decode().strip()
+    def plain(w, i, expr, expected, new_session=True):
+        out = subprocess.run(calc_command(python, expr), capture_output=True, timeout=30,
+                             start_new_session=new_session).stdout.decode().strip()
         if out != expected:
             raise RuntimeError(f"plain {expr} gave {out!r}")
+
+    def plain_same_session(w, i, expr, expected):
+        plain(w, i, expr, expected, new_session=False)
 
     def isolated(w, i, expr, expected):
         out = iso.run_python(python, *calc_program(expr), Limits(), slot=60 + w).stdout.decode().strip()
@@ -131,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             for w in range(8):  # warm-up: first-call costs (channel, page cache) stay out of the figures
                 sandboxed(w, 0, "2*3", "6")
                 plain(w, 0, "2*3", "6")
-            variants = {"plain_subprocess": plain, "sandbox": sandboxed}
+            variants = {"plain_subprocess": plain, "plain_subprocess_same_session": plain_same_session,
+                        "sandbox": sandboxed}
             lat = {(name, n): [] for name in variants for n in (1, 8)} | {("isolation_only", 1): []}
             wall = dict.fromkeys(lat, 0.0)
             for _ in range(args.rounds):
@@ -156,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         "device": _device(),
         "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
         "tool": "calc (rewards.calculator in a fresh `python -I -S`)",
-        "baseline": "plain subprocess.run of the same command: no isolation, no log, no gRPC",
+        "baseline": "plain subprocess.run of the same command: no isolation, no log, no gRPC; in a new session "
+                    "like the sandboxed tool (with kernel autogroup scheduling a new session gets its own CPU share "
+                    "on a loaded machine); *_same_session: the same without a new session",
+        "sched_autogroup": _autogroup(),
         **figures,
         "isolation_only_overhead_p50_ms": round(figures["isolation_only_1_client"]["p50_ms"]
                                                 - figures["plain_subprocess_1_client"]["p50_ms"], 2),

@@ -10,3 +10,22 @@
     launch.py           ServerProcess: `postrain sandbox serve` as a child process (tests, benchmark)
     sandbox.proto       the wire and log records; sandbox_pb2*.py are generated from it (grpc_tools.protoc)
 """
+from __future__ import annotations
+
+
+def connect(target: str, token: str, **kwargs):
+    """A SandboxClient for the service at host:port (kwargs: timeout_s, retries, backoff_s)."""
+    from rewards.sandbox.client import SandboxClient
+
+    return SandboxClient(target, token, **kwargs)
+
+
+def serve(config=None, token: str | None = None, **fields):
+    """Start the service in this process; returns the running SandboxServer (`.target`, `.stop()`)."""
+    from rewards.sandbox.config import SandboxConfig
+    from rewards.sandbox.server import SandboxServer
+
+    return SandboxServer(config or SandboxConfig(**fields), token=token)
+
+
+__all__ = ["connect", "serve"]

@@ -177,10 +177,14 @@ def test_huge_output_is_cut_and_killed(client):
     assert _pool_tasks() == 0
 
 
-def test_file_size_limit(client):
-    code = "open('/tmp/big', 'wb').write(b'x' * (8 << 20))\n"
+@pytest.mark.parametrize("code, words", [
+    ("open('/tmp/big', 'wb').write(b'x' * (8 << 20))\n", "File too large"),  # one file above RLIMIT_FSIZE (4 MiB)
+    ("for i in range(100):\n    open(f'/tmp/f{i}', 'wb').write(b'x' * (3 << 20))\n", "No space left"),  # fills /tmp (16 MiB)
+])
+def test_file_size_and_tmp_limits(client, code, words):
     hostile, benign, _, _ = run_with_benign(client, code, start_delay_s=0.0)
     assert hostile.result.error_kind == T.FILE_SIZE_LIMIT, hostile.result
+    assert words in hostile.result.error
     _assert_benign(benign)
 
 
