@@ -161,6 +161,7 @@ class RolloutPool:
                     self._settle(s)
             while faults and faults[0].iteration <= it and len(self._done) < len(self._want):
                 self._inject(faults.popleft())
+        self._flush_acks()
         counters = Counter(self._dead_counters)
         for c in self._live_counters.values():
             counters.update(c)
@@ -170,6 +171,17 @@ class RolloutPool:
             lost += sum(1 for pos, t in seen.items() if pos >= len(final) or final[pos] != t)
         return PoolResult(dict(self._done), Counter(self.faults), counters, lost, self._resampled,
                           self.replacements, time.monotonic() - t0)
+
+    def _flush_acks(self) -> None:
+        """Let every worker finalize what the sink took since its last call (bounded retries through replacement)."""
+        for s in self.slots:
+            for _ in range(3):
+                self._settle(s)
+                if not s.acks:
+                    break
+                s.unconfirmed, s.acks = s.acks, []
+                s.ref = s.actor.run.remote([], s.unconfirmed, 0)
+            self._settle(s)
 
     def _call(self, s: _Slot) -> None:
         room = self.slots[0].spec.engine.max_batch - len(s.inside)
