@@ -21,6 +21,7 @@ from rewards.sandbox.isolation import Isolator
 from rewards.sandbox.types import Limits, RunOutcome, ToolOutcome
 
 TOOLS = ("calc", "python", "counter")
+TOOL_NAME_RE = re.compile(r"[a-z_]{1,32}")  # as in rewards.protocol
 MAX_ARGS_CHARS = {"calc": rewards.calculator.MAX_EXPR_CHARS, "python": 16384, "counter": 64}
 MAX_HOLD_MS = 10_000
 _COUNTER_RE = re.compile(r"([a-z0-9_]{1,32})(?:\s+(\d{1,5}))?")
@@ -52,7 +53,7 @@ def calc_command(python: str, expr: str) -> list[str]:
 
 
 def check_args(tool: str, args: str) -> str | None:
-    """None if `tool` exists and `args` is acceptable input for it, else why not (nothing is logged then)."""
+    """None if `tool` exists and `args` is acceptable input for it, else why not (the tool does not run)."""
     if tool not in TOOLS:
         return f"unknown tool {tool[:32]!r}; known: {', '.join(TOOLS)}"
     if len(args) > MAX_ARGS_CHARS[tool]:
@@ -133,6 +134,9 @@ class Toolbox:
         return int(path.read_text()) if path.exists() else 0
 
     def run(self, tool: str, args: str, timeout_ms: int, slot: int) -> ToolOutcome:
+        reason = check_args(tool, args)
+        if reason is not None:
+            return ToolOutcome(False, "", T.TOOL_ERROR, reason)
         limits = self.limits
         if timeout_ms:
             limits = limits._replace(wall_s=min(limits.wall_s, timeout_ms / 1000))

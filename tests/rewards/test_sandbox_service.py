@@ -106,9 +106,8 @@ def test_bad_auth_is_refused(server, token):
     (_request(sid="a b/c"), grpc.StatusCode.INVALID_ARGUMENT, "sandbox_id"),
     (_request(sid="x" * 200), grpc.StatusCode.INVALID_ARGUMENT, "sandbox_id"),
     (_request(seq=2**63), grpc.StatusCode.INVALID_ARGUMENT, "seq"),
-    (_request(tool="rm"), grpc.StatusCode.INVALID_ARGUMENT, "unknown tool"),
-    (_request(args="1+" * 200), grpc.StatusCode.INVALID_ARGUMENT, "longer than"),
-    (_request(tool="counter", args="../../etc"), grpc.StatusCode.INVALID_ARGUMENT, "NAME"),
+    (_request(tool="../bin/sh"), grpc.StatusCode.INVALID_ARGUMENT, "tool must match"),
+    (_request(tool=""), grpc.StatusCode.INVALID_ARGUMENT, "tool must match"),
     (_request(tool="python", args="x" * (1 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max"),
     (pb.ExecuteRequest(sandbox_id="nocall", seq=0), grpc.StatusCode.INVALID_ARGUMENT, "no call"),
 ])
@@ -117,6 +116,18 @@ def test_malformed_requests_are_refused(server, request_, code, words):
         _raw_execute(server, TOKEN, request_)
     assert exc.value.code() == code
     assert words in exc.value.details()
+
+
+def test_bad_tool_input_is_a_logged_tool_error(client, server):
+    """The model's mistakes (unknown tool, bad args) are answered, logged and replayed like any result."""
+    cases = [("rm", "-rf /", "unknown tool"), ("calc", "1+" * 200, "longer than"),
+             ("counter", "../../etc", "NAME"), ("python", "x" * 20000, "longer than")]
+    for seq, (tool, args, words) in enumerate(cases):
+        res = client.execute("badargs", seq, tool, args)
+        assert not res.result.ok and res.result.error_kind == "tool_error" and words in res.result.error
+        assert client.execute("badargs", seq, tool, args).raw == res.raw
+    assert client.entries("badargs")[1] == len(cases)
+    assert client.execute("badargs", len(cases), "calc", "2*2").result.output.strip() == "4"  # seq stays contiguous
 
 
 def test_back_pressure_refuses_before_logging(tmp_path):
