@@ -7,11 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
 from deploy.errors import UserError
 from learner.config import PolicyConfig
-from learner.tokenizer import char_tokenizer
+from learner.tokenizer import char_tokenizer, load_tokenizer
 
 
 def build_policy(cfg: PolicyConfig) -> tuple[PreTrainedModel, object]:
@@ -40,7 +40,7 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[P
         raise UserError(f"no HF checkpoint at {path} (config.json missing); pass a directory written by "
                         "`postrain sft` or `save_pretrained`")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     return model, tok
 
 

@@ -56,3 +56,14 @@ def final_answer(text: str) -> str:
     """What the model wrote after its last tool result (or the whole text if it made no call)."""
     cut = text.rfind(RESULT_CLOSE)
     return text[cut + len(RESULT_CLOSE):] if cut >= 0 else text
+
+
+def result_spans(text: str) -> list[tuple[int, int]]:
+    """Character spans [start, end) of every `<result>…</result>` block: environment text, never trained on."""
+    spans, pos = [], 0
+    while (start := text.find(RESULT_OPEN, pos)) >= 0:
+        end = text.find(RESULT_CLOSE, start)
+        end = len(text) if end < 0 else end + len(RESULT_CLOSE)
+        spans.append((start, end))
+        pos = end
+    return spans

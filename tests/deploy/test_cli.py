@@ -1,0 +1,106 @@
+"""The `postrain` CLI as a user runs it: subprocesses with tiny budgets."""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BIN = [sys.executable, "-m", "deploy.cli"]
+TINY = ["--set", "policy.hidden_size=32", "--set", "policy.num_layers=1", "--set", "policy.num_heads=2",
+        "--set", "policy.num_kv_heads=1", "--set", "policy.intermediate_size=64", "--set", "sft.threads=1"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def postrain(*args, check=True, timeout=300):
+    res = subprocess.run(BIN + list(args), capture_output=True, text=True, timeout=timeout, env=ENV)
+    if check and res.returncode != 0:
+        raise AssertionError(f"postrain {' '.join(args)} exited {res.returncode}:\n{res.stderr[-3000:]}")
+    return res
+
+
+def test_help_imports_nothing_heavy_and_is_fast():
+    code = ("import sys, time; t=time.perf_counter(); from deploy.cli import build_parser; build_parser();"
+            "heavy=[m for m in ('torch','ray','transformers','pyarrow','grpc','sqlalchemy') if m in sys.modules];"
+            "print(heavy, time.perf_counter()-t)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "[]", f"heavy imports at --help: {out}"
+    t0 = time.perf_counter()
+    res = postrain("--help")
+    assert "sft" in res.stdout and "eval" in res.stdout and "domains" in res.stdout
+    assert time.perf_counter() - t0 < 3.0  # < 1 s on an idle machine; bound loose for a loaded CI box
+
+
+def test_domains_json():
+    rows = json.loads(postrain("domains", "--json").stdout)
+    assert {"arith", "reverse", "calc"} <= {r["name"] for r in rows}
+    assert all(r["description"] for r in rows)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["sft", "--out", "{tmp}/x", "--domain", "nope"], "unknown domain 'nope'"),
+    (["sft", "--out", "{tmp}/x", "--set", "sft.stepz=3"], "unknown key 'sft.stepz'"),
+    (["eval", "--checkpoint", "{tmp}/missing"], "no HF checkpoint at"),
+    (["sft", "--out", "{tmp}/x", "--config", "{tmp}/none.toml"], "config file not found"),
+    (["bench", "nope"], "unknown benchmark 'nope'"),
+])
+def test_errors_are_one_clear_line(tmp_path, args, needle):
+    res = postrain(*[a.format(tmp=tmp_path) for a in args], check=False)
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert len(lines) == 1 and needle in lines[0], res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_debug_shows_traceback(tmp_path):
+    res = postrain("--debug", "eval", "--checkpoint", str(tmp_path / "missing"), check=False)
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft")
+    postrain("sft", "--out", str(out), "--steps", "40", "--quiet", *TINY, "--set", "sft.log_every=5",
+             "--set", "sft.batch_size=16", "--set", "sft.warmup_steps=5")
+    return out
+
+
+def test_sft_smoke_loss_falls_and_parameters_change(sft_run):
+    rows = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r.get("stage") == "sft"]
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0], losses
+    assert json.loads((sft_run / "config.json").read_text())["sft"]["steps"] == 40
+    assert (sft_run / "sft.png").stat().st_size > 1000
+    from learner.config import PolicyConfig
+    from learner.policy import build_policy, load_policy
+
+    init, _ = build_policy(PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64))
+    trained, _ = load_policy(sft_run / "final")
+    changed = [not torch.equal(a, b) for a, b in zip(init.parameters(), trained.parameters())]
+    assert all(changed), "every parameter tensor must move during SFT"
+
+
+def test_eval_is_deterministic_under_a_fixed_seed(sft_run):
+    args = ["eval", "--checkpoint", str(sft_run / "final"), "--n", "12", "--json"]
+    greedy = [postrain(*args).stdout for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    rows = [json.loads(line) for line in greedy[0].splitlines()]
+    assert [r["domain"] for r in rows] == ["arith", "reverse", "calc"]
+    assert all(r["n"] == 12 and 0.0 <= r["pass_at_1"] <= 1.0 for r in rows)
+    sampled = [postrain(*args, "--set", "eval.temperature=1.0", "--seed", "5").stdout for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_job_writes_run_directory(tmp_path):
+    postrain("job", "--name", "t", "--runs", str(tmp_path), "--quiet", *TINY, "--set", "sft.steps=4",
+             "--set", "eval.n=4", "--set", "sft.log_every=2")
+    run = tmp_path / "t"
+    summary = json.loads((run / "summary.json").read_text())
+    assert [e["domain"] for e in summary["eval"]] == ["arith", "reverse", "calc"]
+    assert (run / "config.json").is_file() and (run / "final" / "config.json").is_file()
+    assert (run / "sft.png").is_file()
+    stages = [json.loads(line)["stage"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert stages.count("eval") == 3

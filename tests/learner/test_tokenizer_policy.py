@@ -1,0 +1,43 @@
+"""Char tokenizer round trips and HF save/load of the tiny policy."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from learner.config import PolicyConfig
+from learner.policy import build_policy, load_policy, save_policy
+from learner.tokenizer import CHARS, char_tokenizer
+
+TOK = char_tokenizer()
+
+
+@given(st.text(alphabet=st.sampled_from(CHARS), max_size=200))
+@settings(max_examples=200, deadline=None)
+def test_round_trip_one_token_per_char(text):
+    ids = TOK(text, add_special_tokens=False).input_ids
+    assert len(ids) == len(text)
+    assert TOK.decode(ids) == text
+
+
+def test_unknown_chars_map_to_unk_and_specials_are_distinct():
+    ids = TOK("aé\tb", add_special_tokens=False).input_ids
+    assert ids[1] == TOK.unk_token_id and ids[2] == TOK.unk_token_id
+    assert len({TOK.pad_token_id, TOK.eos_token_id, TOK.unk_token_id}) == 3
+
+
+def test_save_load_gives_identical_logits_and_tokenizer(tmp_path):
+    model, tok = build_policy(PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                           intermediate_size=64))
+    save_policy(model, tok, tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    model2, tok2 = load_policy(tmp_path)
+    x = torch.tensor([tok("add 1+2=").input_ids])
+    torch.testing.assert_close(model(x).logits, model2(x).logits, rtol=0, atol=0)
+    assert tok2.decode(tok2("rev abc=").input_ids) == "rev abc="
+    assert tok2.eos_token_id == tok.eos_token_id
+
+
+def test_build_is_seeded():
+    cfg = PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64, seed=3)
+    a, _ = build_policy(cfg)
+    b, _ = build_policy(cfg)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
