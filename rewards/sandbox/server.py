@@ -21,7 +21,7 @@ from wal.errors import ConflictError, GapError, LogClosedError, WALError
 from rewards.sandbox import sandbox_pb2 as pb
 from rewards.sandbox import sandbox_pb2_grpc as pb_grpc
 from rewards.sandbox.config import SandboxConfig
-from rewards.sandbox.isolation import Isolator
+from rewards.sandbox.isolation import Isolator, probe
 from rewards.sandbox.service import Refused, SandboxService, Slots
 from rewards.sandbox.tools import Toolbox
 
@@ -121,7 +121,11 @@ class SandboxServer:
         self.token = resolve_token(token, log_dir)
         python = os.path.realpath(sys.executable)
         home = Path(os.path.expanduser("~"))
-        self.isolator = Isolator(hidden=[log_dir, home], exposed=[Path(sys.base_prefix), Path(sys.prefix)])
+        self.isolator = None
+        if cfg.require_isolation or probe() is None:
+            self.isolator = Isolator(hidden=[log_dir, home], exposed=[Path(sys.base_prefix), Path(sys.prefix)])
+        else:
+            print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")
         toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python)
         self.service = SandboxService(self.log, toolbox, Slots(cfg.max_concurrent, cfg.max_queued, cfg.queue_wait_s),

@@ -203,3 +203,15 @@ def test_entries_are_paged(tmp_path):
             assert len(page[0]) == 2 and page[2] is True
     finally:
         srv.stop()
+
+
+def test_toolbox_without_isolation_runs_only_the_pure_calculator(tmp_path):
+    from rewards.sandbox.tools import Toolbox
+    from rewards.sandbox.types import Limits
+
+    tb = Toolbox(tmp_path, None, Limits(), python="/nonexistent")
+    assert tb.run("calc", "37*41", 0, 0).output == "1517"
+    assert tb.run("calc", "1/0", 0, 0).error == "division by zero"
+    res = tb.run("python", "print(1)", 0, 0)
+    assert not res.ok and "bubblewrap" in res.error
+    assert tb.run("counter", "n", 0, 0).output == "1"
