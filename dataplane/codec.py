@@ -127,6 +127,19 @@ class Column:
     values: np.ndarray  # [total_tokens, *shape] storage dtype, read-only
 
 
+_NUMPY = {pa.from_numpy_dtype(np.dtype(t)): np.dtype(t) for t in (
+    "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "float16", "float32", "float64")}
+
+
+def _view(arr: pa.Array) -> np.ndarray:
+    """Read-only numpy view of a primitive array's data buffer (no copy; unlike `to_numpy`, which may
+    import pandas on first use)."""
+    dtype = _NUMPY[arr.type]
+    out = np.frombuffer(arr.buffers()[1], dtype=dtype)[arr.offset:arr.offset + len(arr)]
+    out.flags.writeable = False
+    return out
+
+
 def decode(batch: pa.RecordBatch) -> tuple[pa.Array, dict[str, Column]]:
     """The id column and zero-copy numpy views of every heavy column of a record batch."""
     cols = {}
@@ -136,14 +149,14 @@ def decode(batch: pa.RecordBatch) -> tuple[pa.Array, dict[str, Column]]:
         meta = {k.decode(): v.decode() for k, v in (f.metadata or {}).items()}
         shape = tuple(json.loads(meta.get("shape", "[]")))
         arr = batch.column(i)
-        offsets = arr.offsets.to_numpy(zero_copy_only=True)
+        offsets = _view(arr.offsets)
         child = arr.values
         if shape:
             width = int(np.prod(shape))
-            flat = child.values.to_numpy(zero_copy_only=True)[child.offset * width:(child.offset + len(child)) * width]
+            flat = _view(child.values)[child.offset * width:(child.offset + len(child)) * width]
             values = flat.reshape(-1, *shape)
         else:
-            values = child.to_numpy(zero_copy_only=True)
+            values = _view(child)
         spec = FieldSpec(f.name, values.dtype, shape, meta.get("logical", values.dtype.name))
         cols[f.name] = Column(spec, offsets, values)
     return batch.column(batch.schema.get_field_index("id")), cols

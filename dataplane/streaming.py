@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import defaultdict
 
 import numpy as np
 import torch
@@ -64,12 +63,12 @@ class Loader:
         logp = np.empty(n_tok, dtype=np.float32)
         outs = {"tokens": ids, "loss_mask": mask, "logprobs": logp}
         logical: dict[str, str] = {}
-        by_shard = defaultdict(list)
-        for k, t in enumerate(traj.tolist()):
-            by_shard[int(p.shard[t])].append(k)
+        shard_of = p.shard[traj]
+        by_shard = np.argsort(shard_of, kind="stable")
+        cuts = np.flatnonzero(np.diff(shard_of[by_shard])) + 1
         bytes_read = 0
-        for s, ks in sorted(by_shard.items()):
-            bytes_read += self._copy_shard(m, s, ks, traj, start, stop, cu, outs, logical)
+        for ks in np.split(by_shard, cuts) if traj.size else []:
+            bytes_read += self._copy_shard(m, int(shard_of[ks[0]]), ks, traj, start, stop, cu, outs, logical)
         for name in self.extras:  # a rank with nothing in this minibatch still gets typed, empty fields
             if name not in outs:
                 dtype, shape, logical[name] = self._extra_spec(name)
@@ -105,29 +104,47 @@ class Loader:
                     raise DataPlaneError(f"extra {name!r} is {col.spec.dtype}{col.spec.shape} in {rel} but "
                                          f"{outs[name].dtype}{outs[name].shape[1:]} elsewhere in minibatch {m}")
             wanted = [(outs[n], cols[n if n in CORE_DTYPES else EXTRA_PREFIX + n]) for n in outs]
+            ks = np.asarray(ks)
+            t = traj[ks]
+            rows, tids = p.row[t], p.ids[t]
+            path = self.store.full_path(rel)
             n_rows = len(id_col)
+            bad = np.flatnonzero(rows >= n_rows)
+            if not bad.size:  # the row must still hold the trajectory the plan names
+                _, id_off, id_data = id_col.buffers()
+                id_off = np.frombuffer(id_off, dtype=np.int32)[id_col.offset:]
+                id_data = memoryview(id_data)
+                bad = np.asarray([i for i, (r, tid) in enumerate(zip(rows.tolist(), tids.tolist()))
+                                  if id_data[id_off[r]:id_off[r + 1]] != tid.encode()], dtype=np.int64)
+            if bad.size:
+                i = int(bad[0])
+                raise StaleRowError(f"trajectory {str(tids[i])!r} (shard file {path}, row {int(rows[i])}): the shard no "
+                                    "longer holds it there; re-plan from the catalog")
             off = cols["tokens"].offsets
-            for k in ks:
-                t = int(traj[k])
-                row, tid = int(p.row[t]), str(p.ids[t])
-                where = f"trajectory {tid!r} (shard file {self.store.full_path(rel)}, row {row})"
-                if row >= n_rows or id_col[row].as_py() != tid:
-                    raise StaleRowError(f"{where}: the shard no longer holds it there; re-plan from the catalog")
-                base, full = int(off[row]), int(off[row + 1] - off[row])
-                if full != int(p.length[t]):
-                    raise StaleRowError(f"{where}: holds {full} tokens, the plan says {int(p.length[t])}")
-                if self.verify and start[k] == 0:
-                    rows = [c.values[c.offsets[row]:c.offsets[row + 1]] for c in cols.values()]
-                    got = row_checksum(rows)
-                    bytes_read += sum(r.nbytes for r in rows)
-                    if got != int(p.checksum[t]):
-                        raise ChecksumError(f"{where}: checksum {got:#010x} != recorded {int(p.checksum[t]):#010x}: "
-                                            "the shard is corrupt; restore it or drop the trajectory")
-                a, b = int(cu[k]), int(cu[k + 1])
-                for out, col in wanted:
-                    src = col.values[base + int(start[k]):base + int(stop[k])]
-                    np.copyto(out[a:b], src, casting="unsafe")
-                    bytes_read += src.nbytes
+            base, full = off[rows], off[rows + 1] - off[rows]
+            bad = np.flatnonzero(full != p.length[t])
+            if bad.size:
+                i = int(bad[0])
+                raise StaleRowError(f"trajectory {str(tids[i])!r} (shard file {path}, row {int(rows[i])}): holds "
+                                    f"{int(full[i])} tokens, the plan says {int(p.length[t[i]])}")
+            if self.verify:
+                for i in np.flatnonzero(start[ks] == 0).tolist():  # a row's first piece checks the whole row
+                    row = int(rows[i])
+                    parts = [c.values[c.offsets[row]:c.offsets[row + 1]] for c in cols.values()]
+                    got = row_checksum(parts)
+                    bytes_read += sum(x.nbytes for x in parts)
+                    if got != int(p.checksum[t[i]]):
+                        raise ChecksumError(f"trajectory {str(tids[i])!r} (shard file {path}, row {row}): checksum "
+                                            f"{got:#010x} != recorded {int(p.checksum[t[i]]):#010x}: the shard is "
+                                            "corrupt; restore it or drop the trajectory")
+            src_lo = (base + start[ks]).tolist()
+            src_hi = (base + stop[ks]).tolist()
+            dst_lo, dst_hi = cu[ks].tolist(), cu[ks + 1].tolist()
+            for out, col in wanted:
+                vals = col.values
+                for a, b, lo, hi in zip(dst_lo, dst_hi, src_lo, src_hi):
+                    np.copyto(out[a:b], vals[lo:hi], casting="unsafe")
+                bytes_read += int((stop[ks] - start[ks]).sum()) * vals[:1].nbytes
         return bytes_read
 
     def _extra_spec(self, name: str):

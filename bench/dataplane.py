@@ -1,0 +1,300 @@
+"""Data plane: metadata-only planning and streaming loads against full-copy shuffles of the same rows.
+
+Two datasets with the same N trajectories: T tokens, and 10xT tokens (lengths log-normal, up to 1M
+tokens per trajectory), heavy fields = tokens int32 + loss mask uint8 + behaviour log-probs float32.
+Each size is built, measured and shuffled by baselines in separate child processes, so peak RSS of
+one size cannot leak into the other:
+- `measure`: select (catalog), plan (shuffle + split + pack + balance, best of K), loader over the whole
+  epoch for every rank (time to first minibatch, MB/s from the page cache), peak RSS (VmHWM);
+- `take`: baseline full-copy shuffle, `pyarrow.Table.take` on a permutation of all rows (best of K);
+- `ray`: baseline Ray Data `random_shuffle` on the same rows (errors are recorded, not raised).
+Plus planning 1,000,000 trajectories' metadata in-process (pure numpy).
+
+    python -m bench.dataplane --json [--n 20000] [--tokens 20000000] [--out bench/results/dataplane.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def _device() -> str:
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _status_mb(key: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _lengths(n: int, total: int, seed: int, max_len: int):
+    """n log-normal lengths in [16, max_len] summing to `total` exactly."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    raw = rng.lognormal(0.0, 1.3, n)
+    length = np.clip((raw / raw.sum() * total).astype(np.int64), 16, max_len)
+    for _ in range(50):  # fix the sum after clipping, spreading the difference over the unclipped ones
+        diff = total - int(length.sum())
+        if diff == 0:
+            break
+        free = np.flatnonzero((length > 16) & (length < max_len))
+        step = np.full(free.shape[0], diff // free.shape[0])
+        step[: abs(diff) % free.shape[0]] += 1 if diff > 0 else 0
+        length[free] = np.clip(length[free] + step, 16, max_len)
+    return length
+
+
+# -- children ------------------------------------------------------------------------------------------
+def child_gen(a) -> dict:
+    import numpy as np
+
+    import dataplane
+    from dataplane import TrajectoryRecord
+
+    length = _lengths(a.n, a.tokens, a.seed, a.max_len)
+    rng = np.random.default_rng(a.seed + 1)
+    pool_n = int(min(length.sum(), 1 << 26)) + int(length.max())
+    tokens = rng.integers(0, 150_000, pool_n, dtype=np.int32)
+    logp = -rng.exponential(1.0, pool_n).astype(np.float32)
+    mask = (tokens & 3 != 0).astype(np.uint8)
+    dp = dataplane.open(Path(a.dir) / "catalog.db", Path(a.dir) / "store", shard_bytes=64 << 20)
+    t0 = time.perf_counter()
+    batch, size = [], 0
+    for i, L in enumerate(length.tolist()):
+        o = int(rng.integers(0, pool_n - L + 1))
+        batch.append(TrajectoryRecord(id=f"traj{i:07d}", run="bench", domain=("arith", "reverse", "calc")[i % 3],
+                                      prompt=f"prompt {i // 8}", group_id=f"g{i // 8:06d}", tokens=tokens[o:o + L],
+                                      loss_mask=mask[o:o + L], logprobs=logp[o:o + L], reward=float(i % 2),
+                                      policy_min=i % 4, policy_max=i % 4))
+        size += L * 9
+        if size >= 256 << 20 or i == len(length) - 1:
+            dp.put(batch)
+            batch, size = [], 0
+    st = dp.stats()
+    dp.close()
+    return {"put_s": time.perf_counter() - t0, "trajectories": st["trajectories"], "tokens": st["tokens"],
+            "shards": st["shards"], "shard_bytes": st["shard_bytes"], "max_length": int(length.max()),
+            "mean_length": float(length.mean())}
+
+
+def child_measure(a) -> dict:
+    import numpy as np
+
+    import dataplane
+
+    base_mb = _status_mb("VmRSS")
+    dp = dataplane.open(Path(a.dir) / "catalog.db", Path(a.dir) / "store")
+    t0 = time.perf_counter()
+    sel = dp.select()
+    select_s = time.perf_counter() - t0
+    plan_times = []
+    for k in range(a.repeats):
+        t0 = time.perf_counter()
+        plan = dp.plan(sel, tokens_per_rank=a.tokens_per_rank, ranks=a.ranks, seed=a.seed, epoch=k, group_aware=True)
+        plan_times.append(time.perf_counter() - t0)
+    summary = plan.summary()
+    t0 = time.perf_counter()
+    first_s, delivered, read, batches = None, 0, 0, 0
+    for r in range(a.ranks):
+        for b in dp.loader(plan, rank=r, prefetch=1):
+            if first_s is None:
+                first_s = time.perf_counter() - t0
+            delivered += b.num_tokens * 9  # int32 token + uint8 mask + float32 log-prob, as stored
+            read += b.bytes_read
+            batches += 1
+    load_s = time.perf_counter() - t0
+    if delivered != plan.num_tokens * 9:
+        raise RuntimeError(f"loader delivered {delivered // 9} tokens, plan has {plan.num_tokens}")
+    dp.close()
+    return {"select_s": select_s, "plan_s": min(plan_times), "plan_s_median": float(np.median(plan_times)),
+            "first_minibatch_s": first_s, "load_s": load_s, "loader_mb_s": delivered / 2**20 / load_s,
+            "loader_read_mb_s": read / 2**20 / load_s, "batches": batches, "plan": summary,
+            "peak_rss_mb": _status_mb("VmHWM"), "rss_after_imports_mb": base_mb}
+
+
+def _table(a):
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    paths = sorted((Path(a.dir) / "store" / "shards").rglob("*.arrow"))
+    tables = [ipc.open_file(pa.memory_map(str(p))).read_all() for p in paths]
+    return pa.concat_tables(tables)
+
+
+def child_take(a) -> dict:
+    import numpy as np
+
+    table = _table(a)
+    times = []
+    for k in range(a.take_repeats):
+        perm = np.random.default_rng(k).permutation(table.num_rows)
+        t0 = time.perf_counter()
+        out = table.take(perm)
+        times.append(time.perf_counter() - t0)
+        nbytes = out.nbytes
+        del out
+    return {"take_s": min(times), "take_s_all": times, "rows": table.num_rows, "table_mb": nbytes / 2**20,
+            "peak_rss_mb": _status_mb("VmHWM")}
+
+
+def child_ray(a) -> dict:
+    try:
+        import ray
+        import ray.data
+
+        table = _table(a)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=int(table.nbytes * 3) + (512 << 20))
+        ctx = ray.data.DataContext.get_current()
+        ctx.enable_progress_bars = False
+        ds = ray.data.from_arrow(table).materialize()
+        t0 = time.perf_counter()
+        out = ds.random_shuffle(seed=0).materialize()
+        shuffle_s = time.perf_counter() - t0
+        rows = out.count()
+        ray.shutdown()
+        return {"random_shuffle_s": shuffle_s, "rows": rows}
+    except Exception as exc:  # recorded in the JSON: the baseline failing is a result, not a crash
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+CHILDREN = {"gen": child_gen, "measure": child_measure, "take": child_take, "ray": child_ray}
+
+
+def _spawn(mode: str, a, ddir: Path, tokens: int, timeout: float) -> dict:
+    cmd = [sys.executable, "-m", "bench.dataplane", "--child", mode, "--dir", str(ddir), "--n", str(a.n),
+           "--tokens", str(tokens), "--max-len", str(a.max_len), "--tokens-per-rank", str(a.tokens_per_rank),
+           "--ranks", str(a.ranks), "--seed", str(a.seed), "--repeats", str(a.repeats),
+           "--take-repeats", str(a.take_repeats)]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                             cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        return {"error": f"{mode} child timed out after {timeout:.0f}s"}
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"error": f"{mode} child exited {res.returncode}: {res.stderr.strip()[-800:]}"}
+    return json.loads(lines[-1])
+
+
+def _plan_1m(a) -> dict:
+    import numpy as np
+
+    from dataplane import planner
+
+    n = 1_000_000
+    length = _lengths(n, n * 1000, a.seed, a.max_len)
+    group = np.arange(n) // 8
+    times = []
+    for k in range(3):
+        t0 = time.perf_counter()
+        lay = planner.layout(length, a.tokens_per_rank, a.ranks, seed=a.seed, epoch=k, group=group)
+        times.append(time.perf_counter() - t0)
+    return {"plan_s": min(times), "plan_s_all": times, "segments": int(lay.traj.shape[0]),
+            "minibatches": int(lay.balanced.shape[0])}
+
+
+def _target(value, goal: str, met: bool) -> dict:
+    return {"value": value, "goal": goal, "met": bool(met)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.dataplane", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one compact JSON object (default: indented)")
+    ap.add_argument("--n", type=int, default=20_000, help="trajectories per dataset")
+    ap.add_argument("--tokens", type=int, default=20_000_000, help="T: tokens of the small dataset (the large has 10x)")
+    ap.add_argument("--max-len", type=int, default=1_000_000, help="longest trajectory, tokens")
+    ap.add_argument("--tokens-per-rank", type=int, default=65_536, help="token budget per rank and minibatch")
+    ap.add_argument("--ranks", type=int, default=4, help="data-parallel ranks planned for")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=15, help="plans timed per size (best is reported)")
+    ap.add_argument("--take-repeats", type=int, default=3, help="full-copy shuffles timed per size (best is reported)")
+    ap.add_argument("--no-ray", action="store_true", help="skip the Ray Data baseline")
+    ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir, deleted afterwards)")
+    ap.add_argument("--out", default=None, help="also write the JSON to this file")
+    ap.add_argument("--child", choices=sorted(CHILDREN), default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        print(json.dumps(CHILDREN[a.child](a)))
+        return 0
+
+    t_start = time.perf_counter()
+    scratch = Path(tempfile.mkdtemp(prefix="postrain-bench-dataplane-", dir=a.dir))
+    out = {"benchmark": "dataplane", "device": _device(), "load_avg_start": os.getloadavg()[0],
+           "config": {"n": a.n, "tokens_1x": a.tokens, "tokens_10x": 10 * a.tokens, "max_len": a.max_len,
+                      "tokens_per_rank": a.tokens_per_rank, "ranks": a.ranks, "group_aware": True,
+                      "heavy_fields": "tokens int32, loss_mask uint8, logprobs float32 (9 B/token)",
+                      "plan_time": f"best of {a.repeats}", "take_time": f"best of {a.take_repeats}"},
+           "sizes": {}}
+    try:
+        for name, tokens in (("1x", a.tokens), ("10x", 10 * a.tokens)):
+            ddir = scratch / name
+            ddir.mkdir()
+            print(f"[dataplane bench] {name}: building {a.n} trajectories, {tokens} tokens", file=sys.stderr)
+            size = {"gen": _spawn("gen", a, ddir, tokens, 600)}
+            print(f"[dataplane bench] {name}: measuring plan + loader", file=sys.stderr)
+            size["measure"] = _spawn("measure", a, ddir, tokens, 600)
+            print(f"[dataplane bench] {name}: full-copy shuffle baselines", file=sys.stderr)
+            size["take"] = _spawn("take", a, ddir, tokens, 600)
+            size["ray"] = {"skipped": True} if a.no_ray else _spawn("ray", a, ddir, tokens, 300)
+            out["sizes"][name] = size
+            shutil.rmtree(ddir, ignore_errors=True)
+        print("[dataplane bench] planning 1,000,000 trajectories", file=sys.stderr)
+        out["plan_1m"] = _plan_1m(a)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    s1, s10 = out["sizes"]["1x"], out["sizes"]["10x"]
+    try:
+        m1, m10, t10 = s1["measure"], s10["measure"], s10["take"]
+        ray10 = s10["ray"].get("random_shuffle_s")
+        out["figures"] = {
+            "plan_s_1x": m1["plan_s"], "plan_s_10x": m10["plan_s"],
+            "first_minibatch_s_1x": m1["first_minibatch_s"], "first_minibatch_s_10x": m10["first_minibatch_s"],
+            "loader_mb_s_1x": m1["loader_mb_s"], "loader_mb_s_10x": m10["loader_mb_s"],
+            "peak_rss_mb_1x": m1["peak_rss_mb"], "peak_rss_mb_10x": m10["peak_rss_mb"],
+            "take_shuffle_s_1x": s1["take"]["take_s"], "take_shuffle_s_10x": t10["take_s"],
+            "ray_random_shuffle_s_1x": s1["ray"].get("random_shuffle_s"), "ray_random_shuffle_s_10x": ray10,
+            "ray_vs_plan_10x": (ray10 / m10["plan_s"]) if ray10 else None,
+        }
+        loader_gb_s = m10["loader_mb_s"] * 2**20 / 1e9
+        out["targets"] = {
+            "plan_time_10x_vs_1x": _target(m10["plan_s"] / m1["plan_s"], "<= 1.2", m10["plan_s"] / m1["plan_s"] <= 1.2),
+            "peak_rss_10x_vs_1x": _target(m10["peak_rss_mb"] / m1["peak_rss_mb"], "<= 1.1",
+                                          m10["peak_rss_mb"] / m1["peak_rss_mb"] <= 1.1),
+            "full_copy_shuffle_vs_plan_10x": _target(t10["take_s"] / m10["plan_s"], ">= 100 (pyarrow Table.take)",
+                                                     t10["take_s"] / m10["plan_s"] >= 100),
+            "plan_1m_trajectories_s": _target(out["plan_1m"]["plan_s"], "< 2", out["plan_1m"]["plan_s"] < 2),
+            "loader_gb_s": _target(loader_gb_s, ">= 1 (10x dataset, page cache, all ranks)", loader_gb_s >= 1),
+        }
+    except (KeyError, TypeError, ZeroDivisionError) as exc:
+        out["error"] = f"a measurement failed, see sizes: {type(exc).__name__}: {exc}"
+    out["load_avg_end"] = os.getloadavg()[0]
+    out["wall_s"] = time.perf_counter() - t_start
+    text = json.dumps(out, indent=None if a.json else 2)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if "targets" in out else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
