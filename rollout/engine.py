@@ -100,6 +100,7 @@ class Engine:
     def capacity(self) -> int:
         return len(self._free)
 
+    @torch.inference_mode()
     def add(self, req_id: str, tokens: list[int], sampled: list[bool], params: SamplingParams,
             kv: dict[str, torch.Tensor] | None = None) -> int:
         """Admit a request: a fresh prompt, or a resumed trajectory (all committed tokens, and optionally the
@@ -168,12 +169,17 @@ class Engine:
     def running(self) -> list[Seq]:
         return [s for s in self.seqs.values() if s.state == "run"]
 
-    @torch.inference_mode()
     def step(self) -> list[Draw]:
         """Feed every running request its pending tokens and draw one token each (not yet accepted)."""
+        return self.collect(self.launch())
+
+    @torch.inference_mode()
+    def launch(self):
+        """Enqueue one decode step (asynchronous on a GPU); `collect` reads its draws. Between the two the
+        caller may commit the previous step's draws, so the WAL's fsync overlaps the device's work."""
         seqs = sorted(self.running(), key=lambda s: s.slot)
         if not seqs:
-            return []
+            return None
         for s in seqs:
             if len(s.tokens) - s.kv_len > 1:
                 self._feed_block(s, s.tokens[s.kv_len:-1])
@@ -182,11 +188,17 @@ class Engine:
         for g in groups:
             logits.append(self._forward_rows(g))
             rows += g
-        logits_BV = torch.cat(logits)
-        params = [s.params for s in rows]
+        logits_BV = torch.cat(logits) if len(logits) > 1 else logits[0]
         u = [uniform(self.seed, s.key, len(s.tokens)) for s in rows]
-        tok_B, lp_B = sample(logits_BV, params, u)
-        return [Draw(s.req_id, len(s.tokens), int(t), float(lp)) for s, t, lp in zip(rows, tok_B.tolist(), lp_B.tolist())]
+        tok_B, lp_B = sample(logits_BV, [s.params for s in rows], u)
+        return rows, [len(s.tokens) for s in rows], tok_B, lp_B
+
+    def collect(self, pending) -> list[Draw]:
+        if pending is None:
+            return []
+        rows, positions, tok_B, lp_B = pending
+        toks, lps = tok_B.tolist(), lp_B.tolist()
+        return [Draw(s.req_id, p, int(t), float(lp)) for s, p, t, lp in zip(rows, positions, toks, lps)]
 
     def accept(self, draws: list[Draw]) -> list[Seq]:
         """Append committed draws; returns the requests that stopped (paused at a stop string, or done)."""
@@ -230,18 +242,36 @@ class Engine:
         T, start = len(tokens), seq.kv_len
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start, start + T, device=self.device)
-        mask = (torch.arange(start + T, device=self.device)[None, :] <= pos[:, None])[None, None]
-        self.kv.bind(seq.slot, seq.slot + 1, None, start, T, start + T)
-        self._run(ids, pos[None], mask)
+        if start == 0:  # no past: plain causal attention (flash kernels), then the K/V go into the slot
+            self._prefill_fresh(seq.slot, ids, pos[None])
+        else:
+            mask = (torch.arange(start + T, device=self.device)[None, :] <= pos[:, None])[None, None]
+            self.kv.bind(seq.slot, seq.slot + 1, None, start, T, start + T)
+            self._run(ids, pos[None], mask)
         seq.kv_len += T
         self.stats["block_tokens"] += T
+
+    def _prefill_fresh(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        self.stats["forwards"] += 1
+        self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        T = ids.shape[1]
+        for i in range(len(self.kv.k)):
+            layer = cache.layers[i] if hasattr(cache, "layers") else None
+            k = layer.keys if layer is not None else cache.key_cache[i]
+            v = layer.values if layer is not None else cache.value_cache[i]
+            self.kv.k[i][slot, :, :T] = k[0]
+            self.kv.v[i][slot, :, :T] = v[0]
 
     def _forward_rows(self, group: list[Seq]) -> torch.Tensor:
         """One decode row per request of a contiguous slot range: feeds its last pending token, returns logits [B, V]."""
         lo = group[0].slot
-        pos_B = torch.tensor([s.kv_len for s in group], device=self.device)
+        pos = [s.kv_len for s in group]
+        pos_B = torch.tensor(pos, device=self.device)
         ids = torch.tensor([[s.tokens[s.kv_len]] for s in group], device=self.device)
-        kv_len = int(pos_B.max()) + 1
+        kv_len = max(pos) + 1
         mask = (torch.arange(kv_len, device=self.device)[None, :] <= pos_B[:, None])[:, None, None, :]
         self.kv.bind(lo, lo + len(group), pos_B, 0, 1, kv_len)
         logits = self._run(ids, pos_B[:, None], mask)

@@ -86,4 +86,4 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], u_B: list[floa
     logprob_sampled = torch.log(kept.gather(1, pick)[:, 0] / total[:, 0])
     logprob_greedy = torch.log_softmax(x, dim=-1).gather(1, token[:, None])[:, 0]
     logprob = torch.where(greedy, logprob_greedy, logprob_sampled)
-    return token.cpu(), logprob.to(torch.float32).cpu()
+    return token, logprob  # on the logits' device: the caller syncs when it reads them

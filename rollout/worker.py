@@ -110,19 +110,29 @@ class RolloutWorker:
     def run(self, max_steps: int) -> WorkerReport:
         """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""
         self._check_live()
-        for _ in range(max_steps):
-            self._admit()
-            draws = self.engine.step()
+        eng = self.engine
+        self._admit()
+        pending = eng.launch() if max_steps > 0 else None
+        for step in range(max_steps):
+            draws = eng.collect(pending)
             if not draws:
                 break
+            stopped = eng.accept(draws)  # engine-internal only: nothing outside the engine sees them yet
+            self._admit()
+            # the next step runs on the device while this one is made durable (it feeds only requests
+            # still running, so a tool call or a finish below waits for the commit)
+            pending = eng.launch() if step + 1 < max_steps else None
             for d in draws:
-                self.wal.append(d.req_id, d.position, [d.token], [d.logprob], self.engine.version)
-            self.wal.commit()  # durable before anything below sees the tokens
+                self.wal.append(d.req_id, d.position, [d.token], [d.logprob], eng.version)
+            self.wal.commit()  # durable before anything below exposes the tokens
             self.counters["tokens_committed"] += len(draws)
             for d in draws:
                 self._emit(d.req_id, d.position, [d.token])
-            for seq in self.engine.accept(draws):
+            for seq in stopped:
                 self._on_stop(seq.req_id)
+            if pending is None and step + 1 < max_steps:  # everything stopped: admit and go on
+                self._admit()
+                pending = eng.launch()
         self._admit()
         report = WorkerReport(self._stream, self._finished, dict(self.counters),
                               idle=not self.engine.seqs and not self.queue)

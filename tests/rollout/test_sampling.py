@@ -17,7 +17,7 @@ def test_draws_follow_the_distribution():
     tok, lp = sample(logits, [SamplingParams()] * 4000, u)
     freq = torch.bincount(tok, minlength=3).double() / 4000
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64), atol=0.03)
-    assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3, 0.2]))[tok], atol=1e-6)
+    assert torch.allclose(lp, torch.log(torch.tensor([0.5, 0.3, 0.2], dtype=torch.float64))[tok], atol=1e-6)
 
 
 def test_top_k_top_p_and_greedy():
@@ -25,7 +25,7 @@ def test_top_k_top_p_and_greedy():
     u = [uniform(3, 4, t) for t in range(500)]
     tok, lp = sample(logits, [SamplingParams(top_k=2)] * 500, u)
     assert set(tok.tolist()) == {1, 2}
-    p = torch.softmax(torch.tensor([3.0, 2.0]), 0)
+    p = torch.softmax(torch.tensor([3.0, 2.0], dtype=torch.float64), 0)
     assert torch.allclose(lp.exp(), p[(tok == 2).long()], atol=1e-6)
     tok, _ = sample(logits, [SamplingParams(top_p=0.5)] * 500, u)
     assert set(tok.tolist()) == {1}  # the top token alone holds > 0.5 of the mass
