@@ -203,3 +203,11 @@ def test_generic_command_runner_applies_limits():
     assert out.exit_code != 0 and b"Read-only file system" in out.stderr
     slow = iso.run(["/bin/sh", "-c", "sleep 30"], limits._replace(wall_s=0.5), slot=90)
     assert slow.timed_out and slow.wall_ms < 3000 and not _tasks_of_uid(UID_BASE + 90)
+
+
+def test_closing_its_pipes_does_not_escape_the_wall_clock(client):
+    code = "import os\nos.close(1)\nos.close(2)\nwhile True:\n    pass\n"
+    hostile, benign, _, _ = run_with_benign(client, code, timeout_ms=800)
+    assert hostile.result.error_kind == T.TIMEOUT and hostile.result.wall_ms < 3000, hostile.result
+    _assert_benign(benign)
+    assert _pool_tasks() == 0
