@@ -136,9 +136,11 @@ def test_back_pressure_refuses_before_logging(tmp_path):
     srv = _server(tmp_path, max_concurrent=1, max_queued=0)
     try:
         with SandboxClient(srv.target, TOKEN, retries=0) as c:
-            holder = threading.Thread(target=c.execute, args=("busy", 0, "counter", "bp 1500"))
+            holder = threading.Thread(target=c.execute, args=("busy", 0, "counter", "bp 2000"))
             holder.start()
-            time.sleep(0.4)
+            deadline = time.monotonic() + 20
+            while not any(e.in_flight for e in c.entries("busy")[0]) and time.monotonic() < deadline:
+                time.sleep(0.02)  # until the holder owns the only slot
             with pytest.raises(SandboxRefused) as exc:
                 c.execute("other", 0, "calc", "1+1")
             assert exc.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
