@@ -18,6 +18,7 @@ Each execution gets:
 from __future__ import annotations
 
 import os
+import pwd
 import selectors
 import shutil
 import signal
@@ -29,6 +30,7 @@ from pathlib import Path
 from rewards.sandbox.types import Limits, RunOutcome
 
 UID_BASE = 61000  # execution uids are UID_BASE + slot; chosen far from distribution-assigned ids
+UID_RANGE = 256   # slots 0..255 (max_concurrent <= 256; the benchmark and tests use slots above the service's)
 CENSUS_AFTER_S, CENSUS_EVERY_S = 0.3, 0.1  # a run longer than 0.3 s has its tasks counted every 0.1 s
 
 
@@ -80,6 +82,11 @@ def probe() -> str | None:
     return None
 
 
+def _check_slot(slot: int) -> None:
+    if not 0 <= slot < UID_RANGE:
+        raise ValueError(f"slot {slot} outside [0, {UID_RANGE})")
+
+
 def _covers(parent: Path, child: Path) -> bool:
     return child == parent or parent in child.parents
 
@@ -113,6 +120,11 @@ class Isolator:
         reason = probe()
         if reason is not None:
             raise IsolationUnavailable(reason)
+        if os.geteuid() == 0:  # the sweep kills every task of a slot uid: none may belong to a real account
+            taken = [(u.pw_uid, u.pw_name) for u in pwd.getpwall() if UID_BASE <= u.pw_uid < UID_BASE + UID_RANGE]
+            if taken:
+                raise IsolationUnavailable(f"uid {taken[0][0]} ({taken[0][1]}) lies in the sandbox uid range "
+                                           f"[{UID_BASE}, {UID_BASE + UID_RANGE}); move that account or UID_BASE")
         self.bwrap = bwrap_path()
         self.prlimit = shutil.which("prlimit")
         self.setpriv = shutil.which("setpriv")
@@ -173,10 +185,12 @@ class Isolator:
 
     def run_python(self, python: str, code: str, args: list[str], limits: Limits, slot: int) -> RunOutcome:
         """Run Python `code` (argv `args`) isolated as execution slot `slot`."""
+        _check_slot(slot)
         return self._run(self.python_argv(python, code, args, limits, UID_BASE + slot), limits, UID_BASE + slot)
 
     def run(self, command: list[str], limits: Limits, slot: int, stdin: bytes = b"") -> RunOutcome:
         """Run any `command` isolated as execution slot `slot` (its uid is UID_BASE + slot)."""
+        _check_slot(slot)
         return self._run(self.argv(command, limits, UID_BASE + slot), limits, UID_BASE + slot, stdin)
 
     def _run(self, argv: list[str], limits: Limits, uid: int, stdin: bytes = b"") -> RunOutcome:

@@ -18,6 +18,8 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, NamedTuple
 
+from google.protobuf.message import DecodeError
+
 import wal
 from rewards.sandbox import sandbox_pb2 as pb
 from rewards.sandbox.tools import TOOL_NAME_RE, TOOLS, Toolbox
@@ -51,6 +53,14 @@ def encode_result(outcome: ToolOutcome) -> bytes:
 
 def encode_call(tool: str, args: str, timeout_ms: int) -> bytes:
     return pb.ToolCall(tool=tool, args=args, timeout_ms=timeout_ms).SerializeToString(deterministic=True)
+
+
+def _check_record(response: bytes, sandbox_id: str, seq: int) -> None:
+    """A recorded result must decode before it is handed out (the log's CRC guards the bytes; this the meaning)."""
+    try:
+        pb.ToolResult.FromString(response)
+    except DecodeError:
+        raise Refused("DATA_LOSS", f"recorded result of seq {seq} of sandbox {sandbox_id!r} does not decode") from None
 
 
 class Slots:
@@ -119,6 +129,7 @@ class SandboxService:
             if entry.request != call:
                 raise Refused("FAILED_PRECONDITION", f"conflict: seq {seq} of sandbox {sandbox_id!r} was invoked with a different call")
             if entry.response is not None:
+                _check_record(entry.response, sandbox_id, seq)
                 return "done", entry.response
             fut = self._inflight.get((sandbox_id, seq))
             if fut is not None:

@@ -217,3 +217,23 @@ def test_toolbox_without_isolation_runs_only_the_pure_calculator(tmp_path):
     res = tb.run("python", "print(1)", 0, 0)
     assert not res.ok and "bubblewrap" in res.error
     assert tb.run("counter", "n", 0, 0).output == "1"
+
+
+def test_undecodable_recorded_result_is_data_loss(tmp_path):
+    if probe() is not None:
+        pytest.skip(probe())
+    import wal
+    from rewards.sandbox.service import encode_call
+
+    log = wal.open_envlog(tmp_path / "envlog")
+    log.invoke("bad", 0, encode_call("calc", "1+1", 0))
+    log.result("bad", 0, b"\xff\xff\xff")  # not a ToolResult
+    log.close()
+    srv = _server(tmp_path)
+    try:
+        with SandboxClient(srv.target, TOKEN, retries=0) as c:
+            with pytest.raises(SandboxRefused) as exc:
+                c.execute("bad", 0, "calc", "1+1")
+            assert exc.value.code == grpc.StatusCode.DATA_LOSS and "does not decode" in exc.value.details
+    finally:
+        srv.stop()
