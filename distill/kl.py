@@ -68,41 +68,50 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
     return backend
 
 
-def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, backend, chunk_tokens=None):
+def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, backend, chunk_tokens=None,
+                 triton_config=None):
     """Dispatch to a backend: (kl_N float32, grad_h_s | None, grad_W_s | None) of sum_i coef_i KL_i."""
     if backend == "triton":
         from distill import kl_triton
 
-        return kl_triton.kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, chunk_tokens=chunk_tokens)
+        return kl_triton.kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad,
+                                      chunk_tokens=chunk_tokens, config=triton_config)
     return kl_chunked.kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, chunk_tokens=chunk_tokens)
 
 
 class _ReverseKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h_s, W_s, h_t, W_t, coef_N, temperature, backend, chunk_tokens):
+    def forward(ctx, h_s, W_s, h_t, W_t, coef_N, temperature, backend, chunk_tokens, triton_config):
         need_grad = h_s.requires_grad or W_s.requires_grad
         kl_N, dh, dW = kl_and_grads(h_s.detach(), W_s.detach(), h_t.detach(), W_t.detach(), coef_N,
-                                    temperature, need_grad, backend, chunk_tokens)
-        ctx.save_for_backward(dh, dW)
+                                    temperature, need_grad, backend, chunk_tokens, triton_config)
+        # Plain attributes, not save_for_backward: the gradients are scaled in place and handed over
+        # without a copy (a [V, H] copy would raise peak memory by the size of the head).
+        ctx.grads = (dh, dW)
         return (coef_N * kl_N).sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        dh, dW = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("reverse_kl: backward ran twice over the same graph; call reverse_kl again")
+        dh, dW = ctx.grads
+        ctx.grads = None
         g = grad_loss.float()
-        gh = (dh * g).to(dh.dtype) if ctx.needs_input_grad[0] and dh is not None else None
-        gW = (dW * g).to(dW.dtype) if ctx.needs_input_grad[1] and dW is not None else None
-        return gh, gW, None, None, None, None, None, None
+        gh = dh.mul_(g) if ctx.needs_input_grad[0] and dh is not None else None
+        gW = dW.mul_(g) if ctx.needs_input_grad[1] and dW is not None else None
+        return gh, gW, None, None, None, None, None, None, None
 
 
 def reverse_kl(h_s, W_s, h_t, W_t, *, weights=None, mask=None, temperature: float = 1.0,
-               backend: str | None = None, chunk_tokens: int | None = None) -> torch.Tensor:
+               backend: str | None = None, chunk_tokens: int | None = None,
+               triton_config: dict | None = None) -> torch.Tensor:
     """Exact full-vocabulary KL(p_s || p_t) from hidden states; see the module docstring for semantics.
 
     h_s [N, H_s], W_s [V, H_s], h_t [N, H_t], W_t [V, H_t]; weights [N] float, mask [N] bool.
-    backend: None picks "triton" on CUDA and "chunked" elsewhere. chunk_tokens bounds the working set.
+    backend: None picks "triton" on CUDA and "chunked" elsewhere. chunk_tokens bounds the working set
+    (tokens per chunk). triton_config overrides the Triton launch configuration (benchmark tuning).
     """
     _check(h_s, W_s, h_t, W_t, weights, mask, temperature)
     chosen = _pick_backend(h_s.device, backend)
     coef_N = token_coefficients(h_s.shape[0], weights, mask, h_s.device)
-    return _ReverseKL.apply(h_s, W_s, h_t, W_t, coef_N, float(temperature), chosen, chunk_tokens)
+    return _ReverseKL.apply(h_s, W_s, h_t, W_t, coef_N, float(temperature), chosen, chunk_tokens, triton_config)

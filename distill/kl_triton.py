@@ -179,7 +179,10 @@ def default_config(dtype: torch.dtype, device: torch.device) -> dict:
         return dict(BLOCK_M=16, BLOCK_V=32, BLOCK_K=16, num_warps=4, num_stages=1, EW_BLOCK=64, variant="fused")
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3, EW_BLOCK=2048, variant="fused")
-    return dict(BLOCK_M=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=3, EW_BLOCK=2048, variant="fused")
+    # Measured on an H200 (bench/results/kl.json): cuBLAS logits GEMMs + Triton statistics beat the
+    # fused Triton dual GEMM; BLOCK_M / BLOCK_V here are the statistics tiles.
+    return dict(BLOCK_M=8, BLOCK_V=1024, BLOCK_K=64, num_warps=8, num_stages=4, EW_BLOCK=2048, variant="cublas",
+                chunk_tokens=1024)
 
 
 def default_chunk_tokens(vocab_size: int, block_m: int, chunk_bytes: int = CHUNK_BYTES_DEFAULT) -> int:
@@ -201,68 +204,148 @@ def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool
                  chunk_tokens: int | None = None, config: dict | None = None):
     """Per-token KL [N] float32 and, if `need_grad`, gradients of sum_i coef_i * KL_i (student dtypes)."""
     cfg = dict(default_config(h_s.dtype, h_s.device), **(config or {}))
-    N, HS = h_s.shape
-    HT = h_t.shape[1]
-    V = W_s.shape[0]
-    BM, BV, BK = cfg["BLOCK_M"], cfg["BLOCK_V"], cfg["BLOCK_K"]
-    C = chunk_tokens or default_chunk_tokens(V, BM)
-    dev = h_s.device
     h_s, W_s, h_t, W_t = (x.contiguous() for x in (h_s, W_s, h_t, W_t))
-    inv_T = 1.0 / float(temperature)
-    interpreted = dev.type != "cuda"
-    precision = "ieee" if interpreted or torch.float32 in (h_s.dtype, h_t.dtype) else "tf32"
-    even_k = HS % BK == 0 and HT % BK == 0
-    nvb = triton.cdiv(V, BV)
+    run = _ChunkRunner(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, cfg,
+                       chunk_tokens or cfg.get("chunk_tokens") or default_chunk_tokens(W_s.shape[0], cfg["BLOCK_M"]))
+    starts = range(0, h_s.shape[0], run.C)
+    if not (cfg.get("overlap") and not run.fused and h_s.is_cuda):
+        for t0 in starts:
+            hs_c, zs, zt = run.logits(t0)
+            dl = run.stats_and_dlogits(t0, zs, zt)
+            run.grads(t0, dl, hs_c)
+            zs = zt = None  # "cublas" allocates each chunk's logits: free these before the next ones
+        return run.result()
+    # Two streams: the memory-bound statistics / dlogits of chunk i run beside the compute-bound GEMMs
+    # of chunk i+1 (and the gradient GEMMs of chunk i-1). Same kernels, same shapes, same order per
+    # buffer: results are bit-identical to the serial schedule.
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream(device=h_s.device)
+    pending = None
+    for t0 in starts:
+        hs_c, zs, zt = run.logits(t0)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dl = run.stats_and_dlogits(t0, zs, zt)
+        for x in (zs, zt):
+            x.record_stream(side)
+        zs = zt = None
+        if pending is not None:
+            run.grads(*pending)
+        main.wait_stream(side)
+        if dl is not None:
+            dl.record_stream(main)
+        pending = (t0, dl, hs_c)
+    run.grads(*pending)
+    return run.result()
 
-    zs_CV = torch.empty(C, V, dtype=torch.float32, device=dev)
-    zt_CV = torch.empty(C, V, dtype=torch.float32, device=dev) if cfg["variant"] == "fused" else None
-    stats = torch.empty(N_STATS, C, nvb, dtype=torch.float32, device=dev)
-    kl_N = torch.empty(N, dtype=torch.float32, device=dev)
-    lse_C = torch.empty(C, dtype=torch.float32, device=dev)
-    mean_C = torch.empty(C, dtype=torch.float32, device=dev)
-    if need_grad:
-        dl_CV = torch.empty(C, V, dtype=h_s.dtype, device=dev)
-        dh_NH = torch.empty(N, HS, dtype=h_s.dtype, device=dev)
-        dW_VH = torch.empty(V, HS, dtype=W_s.dtype, device=dev)
-        coef_scaled = torch.zeros(C, dtype=torch.float32, device=dev)
-    kl_C = torch.empty(C, dtype=torch.float32, device=dev)
-    for t0 in range(0, N, C):
-        n = min(C, N - t0)
-        hs_c, ht_c = h_s[t0:t0 + n], h_t[t0:t0 + n]
-        if n < C:  # pad the last chunk: same shapes for every launch
-            hs_c = torch.cat([hs_c, hs_c.new_zeros(C - n, HS)])
-            ht_c = torch.cat([ht_c, ht_c.new_zeros(C - n, HT)])
-        if cfg["variant"] == "fused":
-            grid = (triton.cdiv(C, BM) * nvb,)
-            _logits_stats_kernel[grid](
-                hs_c, W_s, ht_c, W_t, zs_CV, zt_CV, stats, C, V, HS, HT,
-                hs_c.stride(0), W_s.stride(0), ht_c.stride(0), W_t.stride(0), zs_CV.stride(0),
-                stats.stride(0), stats.stride(1), inv_T,
-                BLOCK_M=BM, BLOCK_V=BV, BLOCK_K=BK, EVEN_K=even_k, PRECISION=precision, DOT_F32=interpreted,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        else:  # "cublas": logits GEMMs in cuBLAS (float32 out), statistics in Triton
-            zs_CV = _mm_f32(hs_c, W_s)
-            zt_CV = _mm_f32(ht_c, W_t)
-            grid = (triton.cdiv(C, BM) * nvb,)
-            _tile_stats_kernel[grid](zs_CV, zt_CV, stats, C, V, zs_CV.stride(0), stats.stride(0), stats.stride(1),
-                                     inv_T, BLOCK_M=BM, BLOCK_V=BV, num_warps=cfg["num_warps"])
-        _row_reduce_kernel[(C,)](stats, kl_C, lse_C, mean_C, nvb, stats.stride(0), stats.stride(1), BLOCK=256)
-        kl_N[t0:t0 + n] = kl_C[:n]
-        if not need_grad:
-            continue
-        coef_scaled.zero_()
-        coef_scaled[:n] = coef_N[t0:t0 + n] * inv_T
+
+class _ChunkRunner:
+    """Buffers and the three stages of one chunk of C tokens: logits, statistics + dlogits, gradient GEMMs."""
+
+    def __init__(self, h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, cfg, C):
+        self.h_s, self.W_s, self.h_t, self.W_t, self.coef_N = h_s, W_s, h_t, W_t, coef_N
+        self.need_grad, self.cfg, self.C = need_grad, cfg, C
+        N, HS = h_s.shape
+        V, dev = W_s.shape[0], h_s.device
+        self.inv_T = 1.0 / float(temperature)
+        self.interpreted = dev.type != "cuda"
+        self.fused = cfg["variant"] == "fused"
+        self.nvb = triton.cdiv(V, cfg["BLOCK_V"])
+        f32 = dict(dtype=torch.float32, device=dev)
+        self.stats = torch.empty(N_STATS, C, self.nvb, **f32)
+        self.kl_N = torch.empty(N, **f32)
+        self.kl_C, self.lse_C, self.mean_C = (torch.empty(C, **f32) for _ in range(3))
+        self.coef_C = torch.zeros(C, **f32)
+        self.zs = torch.empty(C, V, **f32) if self.fused else None
+        self.zt = torch.empty(C, V, **f32) if self.fused else None
+        self.dl, self.dh, self.dW = None, None, None
+        if need_grad:
+            # fp16 cannot hold dlogits (~c / V: subnormal): keep them and the dW sum in float32 for fp16
+            self.dl_dtype = torch.float32 if h_s.dtype == torch.float16 else h_s.dtype
+            self.dl = None if cfg.get("overlap") else torch.empty(C, V, dtype=self.dl_dtype, device=dev)
+            self.dh = torch.empty(N, HS, dtype=h_s.dtype, device=dev)
+            dW_dtype = torch.float32 if self.dl_dtype != W_s.dtype else W_s.dtype
+            self.dW = torch.empty(V, HS, dtype=dW_dtype, device=dev)
+
+    def _rows(self, x, t0):
+        rows = x[t0:t0 + self.C]
+        if rows.shape[0] < self.C:  # pad the last chunk: every launch has the same shape
+            rows = torch.cat([rows, rows.new_zeros(self.C - rows.shape[0], x.shape[1])])
+        return rows
+
+    def logits(self, t0):
+        """Chunk rows (padded) and float32 logits z_s, z_t [C, V]; the fused kernel also writes the statistics."""
+        cfg, C = self.cfg, self.C
+        hs_c, ht_c = self._rows(self.h_s, t0), self._rows(self.h_t, t0)
+        if not self.fused:  # "cublas": logits GEMMs in cuBLAS with float32 output
+            return hs_c, _mm_f32(hs_c, self.W_s), _mm_f32(ht_c, self.W_t)
+        HS, HT, V = hs_c.shape[1], ht_c.shape[1], self.W_s.shape[0]
+        BK = cfg["BLOCK_K"]
+        precision = "ieee" if self.interpreted or torch.float32 in (hs_c.dtype, ht_c.dtype) else "tf32"
+        grid = (triton.cdiv(C, cfg["BLOCK_M"]) * self.nvb,)
+        _logits_stats_kernel[grid](
+            hs_c, self.W_s, ht_c, self.W_t, self.zs, self.zt, self.stats, C, V, HS, HT,
+            hs_c.stride(0), self.W_s.stride(0), ht_c.stride(0), self.W_t.stride(0), self.zs.stride(0),
+            self.stats.stride(0), self.stats.stride(1), self.inv_T,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=BK, EVEN_K=HS % BK == 0 and HT % BK == 0,
+            PRECISION=precision, DOT_F32=self.interpreted, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return hs_c, self.zs, self.zt
+
+    def stats_and_dlogits(self, t0, zs, zt):
+        """Per-token lse, E_p[a - b] and KL; dlogits [C, V] when gradients are wanted."""
+        cfg, C, st, V = self.cfg, self.C, self.stats, self.W_s.shape[0]
+        n = min(C, self.kl_N.shape[0] - t0)
+        if not self.fused:
+            grid = (triton.cdiv(C, cfg["BLOCK_M"]) * self.nvb,)
+            _tile_stats_kernel[grid](zs, zt, st, C, V, zs.stride(0), st.stride(0), st.stride(1), self.inv_T,
+                                     BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], num_warps=cfg["num_warps"])
+        _row_reduce_kernel[(C,)](st, self.kl_C, self.lse_C, self.mean_C, self.nvb, st.stride(0), st.stride(1),
+                                 BLOCK=256)
+        self.kl_N[t0:t0 + n] = self.kl_C[:n]
+        if not self.need_grad:
+            return None
+        self.coef_C.zero_()
+        self.coef_C[:n] = self.coef_N[t0:t0 + n] * self.inv_T
+        dl = self.dl if self.dl is not None else torch.empty(C, V, dtype=self.dl_dtype, device=zs.device)
         _dlogits_kernel[(C, triton.cdiv(V, cfg["EW_BLOCK"]))](
-            zs_CV, zt_CV, dl_CV, lse_C, mean_C, coef_scaled, V, zs_CV.stride(0), dl_CV.stride(0), inv_T,
-            BLOCK=cfg["EW_BLOCK"], num_warps=8 if dev.type == "cuda" else 4)
-        if n == C:
-            torch.mm(dl_CV, W_s, out=dh_NH[t0:t0 + n])
+            zs, zt, dl, self.lse_C, self.mean_C, self.coef_C, V, zs.stride(0), dl.stride(0), self.inv_T,
+            BLOCK=cfg["EW_BLOCK"], num_warps=4 if self.interpreted else 8)
+        return dl
+
+    def grads(self, t0, dl, hs_c):
+        if self.need_grad:
+            n = min(self.C, self.kl_N.shape[0] - t0)
+            _grad_gemms(dl, self.W_s, hs_c, self.dh[t0:t0 + n], self.dW, first=t0 == 0)
+
+    def result(self):
+        if not self.need_grad:
+            return self.kl_N, None, None
+        return self.kl_N, self.dh, self.dW.to(self.W_s.dtype)
+
+
+def _grad_gemms(dl_CV, W_s, hs_c, dh_out, dW_VH, first: bool, slice_vocab: int = 16384):
+    """dh_out = (dl @ W_s)[:n] and dW (+)= dl.T @ h, in cuBLAS with fixed shapes (no atomics).
+
+    When dl is float32 and the weights are not (fp16 inputs), W and h are upcast one vocab slice at a
+    time and dW is a float32 sum.
+    """
+    n = dh_out.shape[0]
+    if dl_CV.dtype == W_s.dtype:
+        if n == dl_CV.shape[0]:
+            torch.mm(dl_CV, W_s, out=dh_out)
         else:
-            dh_NH[t0:t0 + n] = (dl_CV @ W_s)[:n]
-        if t0 == 0:
+            dh_out.copy_((dl_CV @ W_s)[:n])
+        if first:
             torch.mm(dl_CV.T, hs_c, out=dW_VH)
         else:
             dW_VH.addmm_(dl_CV.T, hs_c)
-    if not need_grad:
-        return kl_N, None, None
-    return kl_N, dh_NH, dW_VH
+        return
+    h32 = hs_c.float()
+    dh32 = torch.zeros(dl_CV.shape[0], W_s.shape[1], dtype=torch.float32, device=dl_CV.device)
+    for v0 in range(0, W_s.shape[0], slice_vocab):
+        v1 = min(W_s.shape[0], v0 + slice_vocab)
+        dh32.addmm_(dl_CV[:, v0:v1], W_s[v0:v1].float())
+        if first:
+            torch.mm(dl_CV[:, v0:v1].T, h32, out=dW_VH[v0:v1])
+        else:
+            dW_VH[v0:v1].addmm_(dl_CV[:, v0:v1].T, h32)
+    dh_out.copy_(dh32[:n])

@@ -18,15 +18,16 @@ def make_inputs(N, V, H_s, H_t, dtype=torch.float32, seed=0, scale=1.0, device="
 
     The teacher is correlated with the student (its logits share a component) so KL is moderate.
     """
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    h_s = torch.randn(N, H_s, generator=g, dtype=torch.float32) * scale / H_s**0.25
-    W_s = torch.randn(V, H_s, generator=g, dtype=torch.float32) / H_s**0.25
-    h_t = torch.randn(N, H_t, generator=g, dtype=torch.float32) * scale / H_t**0.25
-    W_t = torch.randn(V, H_t, generator=g, dtype=torch.float32) / H_t**0.25
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = dict(generator=g, dtype=torch.float32, device=device)
+    h_s = torch.randn(N, H_s, **kw) * scale / H_s**0.25
+    W_s = torch.randn(V, H_s, **kw) / H_s**0.25
+    h_t = torch.randn(N, H_t, **kw) * scale / H_t**0.25
+    W_t = torch.randn(V, H_t, **kw) / H_t**0.25
     k = min(H_s, H_t)
     h_t[:, :k] = 0.5 * h_t[:, :k] + h_s[:, :k] * (H_t / H_s) ** 0.25
     W_t[:, :k] = 0.5 * W_t[:, :k] + W_s[:, :k] * (H_t / H_s) ** 0.25
-    return tuple(x.to(device=device, dtype=dtype) for x in (h_s, W_s, h_t, W_t))
+    return tuple(x.to(dtype) for x in (h_s, W_s, h_t, W_t))
 
 
 def mask_and_weights(N, seed=1, device="cpu"):
