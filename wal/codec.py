@@ -14,6 +14,8 @@ All integers little-endian. CRC32C is google_crc32c (hardware-accelerated where 
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from typing import Iterator
 
 import google_crc32c
@@ -50,6 +52,8 @@ SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
 
 crc32c = google_crc32c.value
 _I32_MAX = (1 << 31) - 1
+_SMALL = 64  # lists up to this length are packed with the array module
+_LITTLE = sys.byteorder == "little"
 
 
 class CodecError(ValueError):
@@ -183,6 +187,32 @@ def read_frame(buf: bytes, off: int, expect_lsn: int | None) -> tuple[Record | N
     return rec, end, None
 
 
+def scan_frames(buf, off: int, expect_lsn: int, on_record) -> tuple[int, int]:
+    """Recovery's hot loop: decode good frames with consecutive lsns from `off`, calling on_record(rec);
+    returns (offset where the good frames end, how many). Same checks as read_frame, inlined."""
+    n = len(buf)
+    count = 0
+    unpack_frame, unpack_body = FRAME.unpack_from, BODY.unpack_from
+    head = FRAME.size
+    while off + head <= n:
+        body_len, crc = unpack_frame(buf, off)
+        end = off + head + body_len
+        if body_len < BODY.size or body_len > MAX_BODY_BYTES or end > n:
+            break
+        body = buf[off + head:end]
+        if crc32c(body) != crc or unpack_body(body, 0)[0] != expect_lsn:
+            break
+        try:
+            rec = decode_body(body)
+        except CodecError:
+            break
+        on_record(rec)
+        count += 1
+        expect_lsn += 1
+        off = end
+    return off, count
+
+
 def iter_frames(buf: bytes, off: int, expect_lsn: int | None) -> Iterator[tuple[int, Record]]:
     """Yield (offset, record) while frames are good and lsns consecutive; stops at the first bad one."""
     while off < len(buf):
@@ -231,6 +261,15 @@ def decode_segment_header(buf: bytes) -> int:
 
 def pack_tokens(tokens) -> bytes:
     """Token ids (list, array or numpy integers) -> packed little-endian int32; rejects non-integers and ids outside 0..2^31-1."""
+    if type(tokens) is list and len(tokens) <= _SMALL:  # short Python lists: the array module beats numpy's setup cost
+        try:
+            packed = array("i", tokens)
+        except (TypeError, OverflowError):
+            packed = None  # let the numpy path produce the precise error
+        if packed is not None and (not tokens or min(packed) >= 0):
+            if not _LITTLE:
+                packed.byteswap()
+            return packed.tobytes()
     if isinstance(tokens, (bytes, bytearray, memoryview)):
         raise CodecError("tokens must be a sequence of ints, not bytes")
     arr = np.asarray(tokens)
@@ -252,6 +291,15 @@ def pack_tokens(tokens) -> bytes:
 
 def pack_logprobs(logprobs, n: int) -> bytes:
     """Log-probs -> packed little-endian float64; exactly `n` of them, no NaN."""
+    if type(logprobs) is list and len(logprobs) == n and n <= _SMALL:
+        try:
+            packed = array("d", logprobs)
+        except TypeError:
+            packed = None
+        if packed is not None and all(x == x for x in packed):  # x != x only for NaN
+            if not _LITTLE:
+                packed.byteswap()
+            return packed.tobytes()
     if isinstance(logprobs, (bytes, bytearray, memoryview)):
         raise CodecError("logprobs must be a sequence of floats, not bytes")
     try:

@@ -1,6 +1,6 @@
 """In-memory per-trajectory token index (pure; the caller holds the log's mutex).
 
-Each live trajectory keeps its tokens and log-probs packed (bytearray, no per-token objects), its
+Each live trajectory keeps its tokens and log-probs packed (chunks of bytes, no per-token objects), its
 policy versions as runs, and the lsns of its records that are not yet durable: reads return the
 durable prefix only, so nothing is exposed before it is committed.
 
@@ -11,8 +11,8 @@ not written again, so a retried append never duplicates.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -20,17 +20,49 @@ from wal.errors import ConflictError, FinalizedError, GapError
 from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
 
 
-@dataclass
 class Trajectory:
-    tokens: bytearray = field(default_factory=bytearray)  # packed TOKEN_DTYPE
-    logprobs: bytearray = field(default_factory=bytearray)  # packed LOGPROB_DTYPE
-    version_runs: list[tuple[int, int]] = field(default_factory=list)  # (first position, policy version)
-    pending: deque = field(default_factory=deque)  # (lsn, length after that record), not yet durable
-    durable_len: int = 0
+    """Tokens and log-probs as lists of packed chunks (appending never copies what is already held;
+    a read joins them once and keeps the joined chunk)."""
 
-    @property
-    def length(self) -> int:
-        return len(self.tokens) // TOKEN_BYTES
+    __slots__ = ("tok_chunks", "lp_chunks", "chunk_starts", "length", "version_runs", "pending", "durable_len")
+
+    def __init__(self) -> None:
+        self.tok_chunks: list[bytes] = []  # packed TOKEN_DTYPE
+        self.lp_chunks: list[bytes] = []  # packed LOGPROB_DTYPE
+        self.chunk_starts: list[int] = []  # first position of each chunk
+        self.length = 0
+        self.version_runs: list[tuple[int, int]] = []  # (first position, policy version)
+        self.pending: deque = deque()  # (lsn, length after that record), not yet durable
+        self.durable_len = 0
+
+    def add(self, tokens: bytes, logprobs: bytes, version: int) -> None:
+        if not self.version_runs or self.version_runs[-1][1] != version:
+            self.version_runs.append((self.length, version))
+        self.chunk_starts.append(self.length)
+        self.tok_chunks.append(tokens)
+        self.lp_chunks.append(logprobs)
+        self.length += len(tokens) // TOKEN_BYTES
+
+    def _join(self) -> None:
+        if len(self.tok_chunks) > 1:
+            self.tok_chunks = [b"".join(self.tok_chunks)]
+            self.lp_chunks = [b"".join(self.lp_chunks)]
+            self.chunk_starts = [0]
+
+    def packed(self, lo: int, hi: int) -> tuple[bytes, bytes]:
+        """Positions lo..hi-1 as (packed tokens, packed log-probs)."""
+        if lo >= hi:
+            return b"", b""
+        i = bisect_right(self.chunk_starts, lo) - 1
+        j = bisect_left(self.chunk_starts, hi)
+        if j - i > 1 and lo == 0 and hi == self.length:
+            self._join()
+            i, j = 0, 1
+        base = self.chunk_starts[i]
+        tok = self.tok_chunks[i] if j - i == 1 else b"".join(self.tok_chunks[i:j])
+        lp = self.lp_chunks[i] if j - i == 1 else b"".join(self.lp_chunks[i:j])
+        a, b = lo - base, hi - base
+        return tok[a * TOKEN_BYTES:b * TOKEN_BYTES], lp[a * LOGPROB_BYTES:b * LOGPROB_BYTES]
 
     def settle(self, durable_lsn: int) -> int:
         while self.pending and self.pending[0][0] <= durable_lsn:
@@ -80,10 +112,7 @@ class TokenIndex:
             traj = self.trajs[traj_id] = Trajectory()
         if start != traj.length:
             raise AssertionError(f"apply at {start} but trajectory {traj_id!r} has length {traj.length}")
-        if not traj.version_runs or traj.version_runs[-1][1] != version:
-            traj.version_runs.append((start, version))
-        traj.tokens += tokens
-        traj.logprobs += logprobs
+        traj.add(bytes(tokens), bytes(logprobs), version)
         traj.pending.append((lsn, traj.length))
 
     def finalize(self, traj_id: str) -> bool:
@@ -104,17 +133,15 @@ class TokenIndex:
 
 
 def _check_repeat(traj_id, traj, start, overlap, tokens, logprobs, version) -> None:
-    a, b = start * TOKEN_BYTES, (start + overlap) * TOKEN_BYTES
-    have = traj.tokens[a:b]
-    if have != tokens[:overlap * TOKEN_BYTES]:
-        old = np.frombuffer(bytes(have), TOKEN_DTYPE)
+    have_tok, have_lp = traj.packed(start, start + overlap)
+    if have_tok != tokens[:overlap * TOKEN_BYTES]:
+        old = np.frombuffer(have_tok, TOKEN_DTYPE)
         new = np.frombuffer(tokens[:overlap * TOKEN_BYTES], TOKEN_DTYPE)
         i = int(np.flatnonzero(old != new)[0])
         raise ConflictError(f"trajectory {traj_id!r}: append rewrites position {start + i} "
                             f"(recorded token {int(old[i])}, new {int(new[i])}); re-sampling a recorded token is forbidden")
-    la, lb = start * LOGPROB_BYTES, (start + overlap) * LOGPROB_BYTES
-    if traj.logprobs[la:lb] != logprobs[:overlap * LOGPROB_BYTES]:
-        old = np.frombuffer(bytes(traj.logprobs[la:lb]), LOGPROB_DTYPE)
+    if have_lp != logprobs[:overlap * LOGPROB_BYTES]:
+        old = np.frombuffer(have_lp, LOGPROB_DTYPE)
         new = np.frombuffer(logprobs[:overlap * LOGPROB_BYTES], LOGPROB_DTYPE)
         i = int(np.flatnonzero(old.view(np.int64) != new.view(np.int64))[0])
         raise ConflictError(f"trajectory {traj_id!r}: append repeats position {start + i} with log-prob {new[i]!r}, "

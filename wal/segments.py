@@ -11,6 +11,7 @@ or any damage in an earlier segment, is corruption: `scan` raises CorruptionErro
 """
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import time
@@ -84,6 +85,15 @@ class ScanReport:
     repaired: bool = False
 
 
+def _read(path: Path):
+    """The segment's bytes: memory-mapped (read-only, no up-front copy) when non-empty."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            return b""
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+
 def _keep_aside(directory: Path, name: str, data: bytes) -> Path:
     torn = directory / TORN_DIR
     torn.mkdir(exist_ok=True)
@@ -116,58 +126,64 @@ def scan(directory: Path, on_record: Callable[[Record], None], *, mutate: bool, 
     directory = Path(directory)
     report = ScanReport(directory=str(directory))
     segs = list_segments(directory)
-    expect: int | None = None
     for i, (base, path) in enumerate(segs):
-        last = i == len(segs) - 1
-        buf = path.read_bytes()
-        report.segments += 1
-        report.bytes += len(buf)
-        problem = None
+        buf = _read(path)
         try:
-            head_base = codec.decode_segment_header(buf)
-            if head_base != base:
-                problem = f"header names base lsn {head_base} but the file name says {base}"
-            elif expect is not None and base != expect:
-                problem = f"lsn gap between segments: expected a segment starting at {expect}, found {base}"
-        except codec.CodecError as exc:
-            if last and len(buf) <= codec.SEGMENT_HEAD_BYTES and (expect is None or base == expect):
-                # created but its header never became durable: a torn tail of the whole log
-                report.torn_bytes_cut += len(buf)
-                report.bytes -= len(buf)
-                report.segments -= 1
-                if mutate:
-                    report.torn_files.append(str(_keep_aside(directory, path.name, buf)))
-                    path.unlink()
-                    fsync_dir(directory)
+            if not _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, repair):
                 break
-            problem = str(exc)
-        if problem is not None:
-            _corrupt(report, directory, segs[i:], path, 0, problem, True, mutate, repair)
-            break
-        if report.first_lsn is None:
-            report.first_lsn = base
-        expect = base
-        end = codec.SEGMENT_HEAD_BYTES
-        for off, rec in codec.iter_frames(buf, end, base):
-            on_record(rec)
-            report.records += 1
-            expect = rec.lsn + 1
-            end = off + codec.FRAME.size + codec.FRAME.unpack_from(buf, off)[0]
-        report.next_lsn = expect
-        if end == len(buf):
-            continue
-        _, _, why = codec.read_frame(buf, end, expect)
-        follows = codec.find_valid_after(buf, end, expect - 1) is not None
-        if last and not follows:
-            report.torn_bytes_cut += len(buf) - end
-            report.bytes -= len(buf) - end
-            if mutate:
-                report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:])))
-                _truncate(path, end)
-            break
-        _corrupt(report, directory, segs[i + 1:], path, end, why, follows, mutate, repair, buf)
-        break
+        finally:
+            if isinstance(buf, mmap.mmap):
+                buf.close()
     return report
+
+
+def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, repair) -> bool:
+    """Scan one segment; False when the scan must stop here (torn tail cut, corruption handled)."""
+    expect = report.next_lsn if report.segments else None
+    last = i == len(segs) - 1
+    report.segments += 1
+    report.bytes += len(buf)
+    problem = None
+    try:
+        head_base = codec.decode_segment_header(buf)
+        if head_base != base:
+            problem = f"header names base lsn {head_base} but the file name says {base}"
+        elif expect is not None and base != expect:
+            problem = f"lsn gap between segments: expected a segment starting at {expect}, found {base}"
+    except codec.CodecError as exc:
+        if last and len(buf) <= codec.SEGMENT_HEAD_BYTES and (expect is None or base == expect):
+            # created but its header never became durable: a torn tail of the whole log
+            report.torn_bytes_cut += len(buf)
+            report.bytes -= len(buf)
+            report.segments -= 1
+            if mutate:
+                report.torn_files.append(str(_keep_aside(directory, path.name, buf)))
+                path.unlink()
+                fsync_dir(directory)
+            return False
+        problem = str(exc)
+    if problem is not None:
+        _corrupt(report, directory, segs[i:], path, 0, problem, True, mutate, repair)
+        return False
+    if report.first_lsn is None:
+        report.first_lsn = base
+    end, count = codec.scan_frames(buf, codec.SEGMENT_HEAD_BYTES, base, on_record)
+    report.records += count
+    expect = base + count
+    report.next_lsn = expect
+    if end == len(buf):
+        return True
+    _, _, why = codec.read_frame(buf, end, expect)
+    follows = codec.find_valid_after(buf, end, expect - 1) is not None
+    if last and not follows:
+        report.torn_bytes_cut += len(buf) - end
+        report.bytes -= len(buf) - end
+        if mutate:
+            report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:])))
+            _truncate(path, end)
+        return False
+    _corrupt(report, directory, segs[i + 1:], path, end, why, follows, mutate, repair, buf)
+    return False
 
 
 def _corrupt(report, directory, later, path, offset, why, follows, mutate, repair, buf=None) -> None:

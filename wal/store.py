@@ -49,7 +49,11 @@ class Store:
 
     # --- recovery ---
     def _replay(self, rec: Record) -> None:
-        if isinstance(rec, TokensRecord):
+        if type(rec) is TokensRecord:
+            traj = self.tokens.trajs.get(rec.traj_id)
+            if traj is not None and rec.start == traj.length:  # the common case: the next chunk, in order
+                traj.add(rec.tokens, rec.logprobs, rec.policy_version)
+                return
             if rec.traj_id in self.tokens.finalized:
                 self.ignored_records += 1
                 return

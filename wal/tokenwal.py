@@ -33,7 +33,7 @@ class TokenWAL(TokenLog):
             traj, n = s.tokens.read(traj_id, s.log.durable_lsn)
             if traj is None:
                 return b"", b"", []
-            return bytes(traj.tokens[:n * 4]), bytes(traj.logprobs[:n * 8]), traj.versions(0, n)
+            return (*traj.packed(0, n), traj.versions(0, n))
 
     def tokens(self, traj_id: str) -> list[int]:
         return codec.unpack_tokens(self._read(traj_id)[0])

@@ -1,0 +1,306 @@
+"""WAL benchmark: durable decode steps per second, in process and over gRPC, against raw write+fsync
+of the same bytes (the limit) and SQLite (WAL mode, synchronous=FULL), plus recovery scan MB/s.
+
+Workload: each step appends B tokens (+ log-probs) to a trajectory and commits (one commit per step).
+Also measured, without a target: the batched-decode shape (B trajectories get one token each per
+step, one commit per step). Configurations of one B are interleaved and repeated (`--rounds`), and
+the median is reported, because this machine is shared and noisy.
+
+    python -m bench.wal --json         (or: postrain bench wal --json)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import wal
+from wal import codec
+
+BS = (1, 64, 512)
+
+
+def device() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def _step_arrays(b: int):
+    rng = np.random.default_rng(b)
+    return rng.integers(0, 150_000, b, dtype=np.int32), -rng.random(b)
+
+
+def _timed(seconds: float, step) -> float:
+    """Run step(i) until `seconds` have passed; steps per second."""
+    i = 0
+    t0 = time.perf_counter()
+    end = t0 + seconds
+    while True:
+        step(i)
+        i += 1
+        if (i & 7) == 0 and time.perf_counter() >= end:
+            break
+    return i / (time.perf_counter() - t0)
+
+
+def raw_fsync(d: Path, b: int, seconds: float) -> float:
+    toks, lps = _step_arrays(b)
+    frame = codec.encode_tokens(0, "traj-000001", 0, 0, toks.tobytes(), lps.tobytes())  # the bytes the WAL writes per step
+    fd = os.open(d / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        def step(i):
+            os.write(fd, frame)
+            os.fsync(fd)
+        return _timed(seconds, step)
+    finally:
+        os.close(fd)
+
+
+def inproc(d: Path, b: int, seconds: float) -> float:
+    toks, lps = _step_arrays(b)
+    w = wal.open(d / "wal")
+    try:
+        base = w.length("traj-000001")
+
+        def step(i):
+            w.append("traj-000001", base + i * b, toks, lps, 0)
+            w.commit()
+        return _timed(seconds, step)
+    finally:
+        w.close()
+
+
+def inproc_batched(d: Path, b: int, seconds: float) -> float:
+    """B trajectories, one token each per step (a batched decode step), one commit per step."""
+    toks, lps = _step_arrays(b)
+    tok_l, lp_l = toks.tolist(), lps.tolist()
+    ids = [f"traj-{k:06d}" for k in range(b)]
+    w = wal.open(d / f"walb{b}")
+    try:
+        base = w.length(ids[0])
+
+        def step(i):
+            pos = base + i
+            for k in range(b):
+                w.append(ids[k], pos, tok_l[k:k + 1], lp_l[k:k + 1], 0)
+            w.commit()
+        return _timed(seconds, step)
+    finally:
+        w.close()
+
+
+def sqlite_rows(d: Path, b: int, seconds: float) -> float:
+    """One row per token (trajectory, position) primary key, as a token-granular SQLite log would be."""
+    toks, lps = _step_arrays(b)
+    tok_l, lp_l = toks.tolist(), lps.tolist()
+    con = sqlite3.connect(d / "rows.db", isolation_level=None)
+    try:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA synchronous=FULL")
+        con.execute("CREATE TABLE IF NOT EXISTS tok (traj TEXT, pos INTEGER, token INTEGER, logprob REAL, version INTEGER,"
+                    " PRIMARY KEY (traj, pos)) WITHOUT ROWID")
+        base = con.execute("SELECT COALESCE(MAX(pos) + 1, 0) FROM tok").fetchone()[0]
+
+        def step(i):
+            p = base + i * b
+            con.execute("BEGIN")
+            con.executemany("INSERT INTO tok VALUES ('traj-000001', ?, ?, ?, 0)",
+                            [(p + k, tok_l[k], lp_l[k]) for k in range(b)])
+            con.execute("COMMIT")
+        return _timed(seconds, step)
+    finally:
+        con.close()
+
+
+def sqlite_blob(d: Path, b: int, seconds: float) -> float:
+    """One row per step holding the packed tokens and log-probs (SQLite's best case for this workload)."""
+    toks, lps = _step_arrays(b)
+    tb, lb = toks.tobytes(), lps.tobytes()
+    con = sqlite3.connect(d / "blob.db", isolation_level=None)
+    try:
+        con.execute("PRAGMA journal_mode=WAL")
+        con.execute("PRAGMA synchronous=FULL")
+        con.execute("CREATE TABLE IF NOT EXISTS chunk (traj TEXT, start INTEGER, version INTEGER, tokens BLOB, logprobs BLOB,"
+                    " PRIMARY KEY (traj, start)) WITHOUT ROWID")
+        base = con.execute("SELECT COALESCE(MAX(start) + 1, 0) FROM chunk").fetchone()[0]
+
+        def step(i):
+            con.execute("BEGIN")
+            con.execute("INSERT INTO chunk VALUES ('traj-000001', ?, 0, ?, ?)", (base + i * b, tb, lb))
+            con.execute("COMMIT")
+        return _timed(seconds, step)
+    finally:
+        con.close()
+
+
+# --- gRPC -----------------------------------------------------------------------------------------
+
+def _client(address: str, k: int, b: int, seconds: float, barrier, out) -> None:
+    toks, lps = _step_arrays(b)
+    c = wal.connect(address)
+    traj = f"client-{k}-b{b}"
+    base = len(c.tokens(traj))
+    barrier.wait()
+    steps = [0]
+
+    def step(i):
+        c.append(traj, base + i * b, toks, lps, 0)
+        c.commit()
+        steps[0] += 1
+
+    t0 = time.perf_counter()
+    _timed(seconds, step)
+    out.put((steps[0], time.perf_counter() - t0))
+    c.close()
+
+
+def grpc_clients(address: str, n: int, b: int, seconds: float) -> float:
+    """Aggregate durable tokens/s of n client processes, each appending and committing in a loop."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(n + 1), ctx.Queue()
+    procs = [ctx.Process(target=_client, args=(address, k, b, seconds, barrier, out)) for k in range(n)]
+    for p in procs:
+        p.start()
+    barrier.wait(timeout=120)
+    t0 = time.perf_counter()
+    results = [out.get(timeout=seconds + 120) for _ in procs]
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(timeout=60)
+    return sum(s for s, _ in results) * b / wall
+
+
+def start_server(directory: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "wal", "serve", "--dir", str(directory), "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    m = re.search(r" on (\S+:\d+) ", line)
+    if not m:
+        proc.kill()
+        raise RuntimeError(f"WAL server did not start: {line!r} {proc.stderr.read()}")
+    return proc, m.group(1)
+
+
+# --- recovery scan --------------------------------------------------------------------------------
+
+def recovery_scan(d: Path, mb: int, rounds: int) -> dict:
+    toks, lps = _step_arrays(512)
+    w = wal.open(d / "scan")
+    n_records = mb * (1 << 20) // (len(toks.tobytes()) + len(lps.tobytes()) + 50)
+    for i in range(n_records):
+        w.append(f"traj-{i % 64:06d}", (i // 64) * 512, toks, lps, 0)
+        if i % 256 == 255:
+            w.commit()
+    w.close()
+    size = sum(p.stat().st_size for p in (d / "scan").glob("*.seg"))
+    speeds = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        w = wal.open(d / "scan")  # full recovery: read, CRC-check, decode, rebuild the index
+        dt = time.perf_counter() - t0
+        assert w.stats()["live_tokens"] == n_records * 512
+        w.close()
+        speeds.append(size / dt / 1e6)
+    return {"log_bytes": size, "records": n_records, "mb_s_runs": [round(s, 1) for s in speeds],
+            "mb_s": round(statistics.median(speeds), 1), "note": "page cache warm (the log was just written)"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.wal", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--seconds", type=float, default=0.6, help="seconds per measurement")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (median reported)")
+    ap.add_argument("--scan-mb", type=int, default=128, help="size of the log for the recovery scan")
+    ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
+    ap.add_argument("--out", default=None, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="wal-bench-", dir=args.dir))
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    result: dict = {"benchmark": "wal", "device": device(), "directory": str(root),
+                    "workload": "per step: append B tokens (numpy int32 ids + float64 log-probs) to one trajectory, "
+                                "then commit (durable: write + fsync); one commit per step",
+                    "seconds_per_measurement": args.seconds, "rounds": args.rounds, "configs": {}}
+    t_start = time.perf_counter()
+    try:
+        modes = {"raw_fsync": raw_fsync, "inproc": inproc, "sqlite_rows": sqlite_rows, "sqlite_blob": sqlite_blob}
+        for b in BS:
+            runs: dict[str, list[float]] = {m: [] for m in modes}
+            if b > 1:
+                runs["inproc_batched"] = []
+            for r in range(args.rounds):
+                order = list(modes.items())
+                for m, fn in (order if r % 2 == 0 else order[::-1]):  # alternate the order against drift
+                    runs[m].append(fn(root, b, args.seconds))
+                if b > 1:
+                    runs["inproc_batched"].append(inproc_batched(root, b, args.seconds))
+            cfg = {}
+            for m, xs in runs.items():
+                sps = statistics.median(xs)
+                cfg[m] = {"steps_s": round(sps, 1), "tokens_s": round(sps * b, 1), "steps_s_runs": [round(x, 1) for x in xs]}
+            # ratios of measurements taken next to each other, then the median: robust to slow drifts of fsync latency
+            cfg["paired_ratio_inproc_vs_raw_fsync"] = round(statistics.median(
+                i / r for i, r in zip(runs["inproc"], runs["raw_fsync"])), 3)
+            cfg["paired_ratio_inproc_vs_sqlite_rows"] = round(statistics.median(
+                i / r for i, r in zip(runs["inproc"], runs["sqlite_rows"])), 3)
+            cfg["paired_ratio_inproc_vs_sqlite_blob"] = round(statistics.median(
+                i / r for i, r in zip(runs["inproc"], runs["sqlite_blob"])), 3)
+            result["configs"][f"b{b}"] = cfg
+            say(f"B={b}: " + ", ".join(f"{m} {v['steps_s']:.0f} steps/s" for m, v in cfg.items() if isinstance(v, dict)))
+        proc, address = start_server(root / "served")
+        try:
+            g = {}
+            for b in BS:
+                for n in (1, 4):
+                    tps = grpc_clients(address, n, b, args.seconds * 2)
+                    g[f"b{b}_clients{n}"] = {"tokens_s": round(tps, 1), "steps_s": round(tps / b, 1)}
+                    say(f"gRPC B={b} clients={n}: {tps / b:.0f} steps/s aggregate")
+            g["server_stats"] = {k: v for k, v in wal.connect(address).stats().items() if k in ("fsyncs", "next_lsn", "bytes_written")}
+            result["grpc"] = g
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+        result["recovery_scan"] = recovery_scan(root, args.scan_mb, args.rounds)
+        say(f"recovery scan: {result['recovery_scan']['mb_s']} MB/s")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    c512 = result["configs"]["b512"]
+    r_raw = c512["paired_ratio_inproc_vs_raw_fsync"]
+    r_sql = c512["paired_ratio_inproc_vs_sqlite_rows"]
+    r_grpc = result["grpc"]["b512_clients4"]["tokens_s"] / result["grpc"]["b512_clients1"]["tokens_s"]
+    scan = result["recovery_scan"]["mb_s"]
+    result["targets"] = {
+        "inproc_vs_raw_fsync_b512": {"value": round(r_raw, 3), "goal": ">= 0.9 (steps/s, median of paired rounds)", "met": r_raw >= 0.9},
+        "inproc_vs_sqlite_b512": {"value": round(r_sql, 3), "goal": ">= 2 (tokens/s over SQLite with one row per token, median of paired rounds)", "met": r_sql >= 2},
+        "grpc_4_clients_vs_1": {"value": round(r_grpc, 3), "goal": ">= 2 (aggregate tokens/s, B=512)", "met": r_grpc >= 2},
+        "recovery_scan_mb_s": {"value": scan, "goal": ">= 500", "met": scan >= 500},
+    }
+    result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
