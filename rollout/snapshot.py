@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import google_crc32c
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from deploy.atomic import write_atomic
 
-FORMAT = "postrain-kv-1"
+FORMAT = "postrain-kv-2"
+CHUNK_BYTES = 8 << 20  # the payload is checksummed per chunk, so a restore verifies chunks in parallel
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
 class SnapshotRejected(Exception):
@@ -42,20 +45,18 @@ class SnapshotHeader:
     policy_version: int
     fingerprint: str
     dtype: str
-    checksum: int
+    chunk_bytes: int
+    checksums: tuple[int, ...]  # crc32c of each CHUNK_BYTES piece of the tensor payload
+    tensors: dict  # name -> (dtype code, shape, [begin, end) in the payload)
+    payload_offset: int  # where the tensor payload starts in the file
 
 
 def tokens_hash(tokens: list[int]) -> str:
     return hashlib.blake2b(struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).hexdigest()
 
 
-def _checksum(tensors: dict[str, torch.Tensor]) -> int:
-    crc = 0
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        crc = google_crc32c.extend(crc, name.encode())
-        crc = google_crc32c.extend(crc, t.view(torch.uint8).numpy().tobytes())
-    return crc
+def _chunk_crcs(payload: bytes, chunk: int) -> list[int]:
+    return [google_crc32c.value(payload[i:i + chunk]) for i in range(0, len(payload), chunk)]
 
 
 def encode(traj_id: str, tokens: list[int], tensors: dict[str, torch.Tensor], policy_version: int,
@@ -66,28 +67,46 @@ def encode(traj_id: str, tokens: list[int], tensors: dict[str, torch.Tensor], po
         raise ValueError(f"kv tensors of mixed dtypes {dtypes}")
     meta = {"format": FORMAT, "traj_id": str(traj_id), "token_count": str(len(tokens)),
             "tokens_hash": tokens_hash(tokens), "policy_version": str(policy_version),
-            "fingerprint": fingerprint, "dtype": dtypes.pop() if dtypes else "", "checksum": str(_checksum(tensors))}
-    return st_save(tensors, metadata=meta)
+            "fingerprint": fingerprint, "dtype": dtypes.pop() if dtypes else "", "chunk_bytes": str(CHUNK_BYTES)}
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    first = st_save(tensors, metadata={**meta, "checksum": ""})
+    (n,) = struct.unpack("<Q", first[:8])
+    crcs = _chunk_crcs(first[8 + n:], CHUNK_BYTES)  # the payload does not depend on the metadata
+    data = st_save(tensors, metadata={**meta, "checksum": ",".join(f"{c:08x}" for c in crcs)})
+    (n2,) = struct.unpack("<Q", data[:8])
+    if len(data) - 8 - n2 != len(first) - 8 - n:
+        raise AssertionError("snapshot payload changed between the two encodings")
+    return data
+
+
+def _parse_header(head: bytes, n: int) -> SnapshotHeader:
+    try:
+        doc = json.loads(head)
+        meta = doc.pop("__metadata__")
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"format {meta.get('format')!r}")
+        crcs = tuple(int(c, 16) for c in meta["checksum"].split(",") if c)
+        tensors = {k: (v["dtype"], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in doc.items()}
+        return SnapshotHeader(meta["traj_id"], int(meta["token_count"]), meta["tokens_hash"],
+                              int(meta["policy_version"]), meta["fingerprint"], meta["dtype"],
+                              int(meta["chunk_bytes"]), crcs, tensors, 8 + n)
+    except Exception as exc:  # any malformed header is the same operating condition: unusable snapshot
+        raise SnapshotRejected("corrupt", f"unreadable header ({type(exc).__name__}: {exc})") from None
 
 
 def read_header(data: bytes) -> SnapshotHeader:
     try:
         (n,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8:8 + n])["__metadata__"]
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"format {meta.get('format')!r}")
-        return SnapshotHeader(meta["traj_id"], int(meta["token_count"]), meta["tokens_hash"],
-                              int(meta["policy_version"]), meta["fingerprint"], meta["dtype"], int(meta["checksum"]))
-    except Exception as exc:  # any malformed header is the same operating condition: unusable snapshot
-        raise SnapshotRejected("corrupt", f"unreadable header ({type(exc).__name__}: {exc})") from None
+    except struct.error:
+        raise SnapshotRejected("corrupt", "truncated before the header") from None
+    if n > len(data) - 8:
+        raise SnapshotRejected("corrupt", f"header of {n} bytes in a file of {len(data)}")
+    return _parse_header(data[8:8 + n], n)
 
 
-def decode(data: bytes | None, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
-           dtype: torch.dtype) -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
-    """The snapshot's KV if it matches this trajectory's committed tokens and the current weights."""
-    if data is None:
-        raise SnapshotRejected("missing", f"no snapshot for {traj_id}")
-    h = read_header(data)
+def validate(h: SnapshotHeader, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
+             dtype: torch.dtype, payload_bytes: int) -> None:
+    """Raise SnapshotRejected unless `h` belongs to this trajectory's committed tokens and these weights."""
     if h.traj_id != str(traj_id):
         raise SnapshotRejected("mismatch", f"snapshot is of {h.traj_id!r}, not {traj_id!r}")
     if h.token_count > len(wal_tokens) or tokens_hash(wal_tokens[:h.token_count]) != h.tokens_hash:
@@ -97,13 +116,85 @@ def decode(data: bytes | None, traj_id: str, wal_tokens: list[int], policy_versi
                                         f"engine holds v{policy_version} ({fingerprint[:8]})")
     if h.dtype != str(dtype):
         raise SnapshotRejected("mismatch", f"snapshot dtype {h.dtype}, engine {dtype}")
-    try:
-        tensors = st_load(data)
-    except Exception as exc:
-        raise SnapshotRejected("corrupt", f"tensors unreadable ({type(exc).__name__})") from None
-    if _checksum(tensors) != h.checksum:
+    end = max((t[2][1] for t in h.tensors.values()), default=0)
+    chunks = -(-payload_bytes // h.chunk_bytes) if h.chunk_bytes > 0 else -1
+    if end != payload_bytes or chunks != len(h.checksums):
+        raise SnapshotRejected("corrupt", f"payload of {payload_bytes} bytes, header expects {end} in {len(h.checksums)} chunks")
+    for name, (code, _, _) in h.tensors.items():
+        if code not in _DTYPES:
+            raise SnapshotRejected("corrupt", f"tensor {name} of unknown dtype {code}")
+
+
+def _views(buf: torch.Tensor, h: SnapshotHeader) -> dict[str, torch.Tensor]:
+    return {name: buf[a:b].view(_DTYPES[code]).view(shape) for name, (code, shape, (a, b)) in h.tensors.items()}
+
+
+def decode(data: bytes | None, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
+           dtype: torch.dtype) -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
+    """The snapshot's KV if it matches this trajectory's committed tokens and the current weights."""
+    if data is None:
+        raise SnapshotRejected("missing", f"no snapshot for {traj_id}")
+    h = read_header(data)
+    payload = data[h.payload_offset:]
+    validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, len(payload))
+    if _chunk_crcs(payload, h.chunk_bytes) != list(h.checksums):
         raise SnapshotRejected("corrupt", "checksum mismatch")
-    return h, tensors
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+    return h, _views(buf, h)
+
+
+_staging: dict[str, torch.Tensor] = {}
+
+
+def _staging_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A reused host buffer (page-locked when the KV goes to a GPU, so the upload is one fast DMA)."""
+    key = "pinned" if pinned else "plain"
+    buf = _staging.get(key)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        _staging[key] = buf
+    return buf[:nbytes]
+
+
+def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
+              dtype: torch.dtype, device: torch.device | str = "cpu", threads: int = 8
+              ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
+    """Fast restore from a local file: header validated before the payload is read; the payload is read
+    and checksummed chunk by chunk in parallel straight into a (pinned) staging buffer, then uploaded once."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise SnapshotRejected("missing", f"no snapshot for {traj_id}") from None
+    try:
+        size = os.fstat(fd).st_size
+        head8 = os.pread(fd, 8, 0)
+        if len(head8) < 8:
+            raise SnapshotRejected("corrupt", "truncated before the header")
+        (n,) = struct.unpack("<Q", head8)
+        if n > size - 8:
+            raise SnapshotRejected("corrupt", f"header of {n} bytes in a file of {size}")
+        h = _parse_header(os.pread(fd, n, 8), n)
+        payload = size - h.payload_offset
+        validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, payload)
+        device = torch.device(device)
+        cuda = device.type == "cuda"
+        host = _staging_buffer(payload, pinned=cuda) if cuda else torch.empty(payload, dtype=torch.uint8)
+        dst = host.numpy()
+
+        def one(i: int) -> bool:
+            a = i * h.chunk_bytes
+            piece = os.pread(fd, min(h.chunk_bytes, payload - a), h.payload_offset + a)
+            dst[a:a + len(piece)] = memoryview(piece)
+            return len(piece) == min(h.chunk_bytes, payload - a) and google_crc32c.value(piece) == h.checksums[i]
+
+        with ThreadPoolExecutor(max(1, min(threads, len(h.checksums)))) as ex:
+            ok = all(ex.map(one, range(len(h.checksums))))
+        if not ok:
+            raise SnapshotRejected("corrupt", "checksum mismatch")
+        buf = host.to(device, non_blocking=True) if cuda else host
+        return h, _views(buf, h)
+    finally:
+        os.close(fd)
 
 
 class SnapshotStore:
@@ -149,6 +240,15 @@ class SnapshotStore:
             return None
         with self._fs.open_input_stream(p) as f:
             return f.read()
+
+    def load(self, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str, dtype: torch.dtype,
+             device: torch.device | str = "cpu") -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
+        """The validated KV of `traj_id` on `device`, or SnapshotRejected (missing, corrupt, mismatch, stale)."""
+        if self._local:
+            return load_file(self._local / self._name(traj_id), traj_id, wal_tokens, policy_version, fingerprint,
+                             dtype, device)
+        h, kv = decode(self.get(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype)
+        return h, {k: v.to(device) for k, v in kv.items()}
 
     def delete(self, traj_id: str) -> bool:
         if self._local:

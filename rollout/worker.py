@@ -26,7 +26,7 @@ import wal as wal_mod
 from rollout import agent
 from rollout.config import EngineConfig
 from rollout.engine import Engine
-from rollout.snapshot import SnapshotRejected, SnapshotStore, decode, encode
+from rollout.snapshot import SnapshotRejected, SnapshotStore, encode
 from rollout.types import ENV_LOGPROB, Finished, Request, WorkerReport, is_sampled
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -197,7 +197,7 @@ class RolloutWorker:
         resumed = len(committed) > len(prompt)
         if resumed:
             try:
-                _, kv = decode(self.store.get(traj), traj, committed, eng.version, eng.fingerprint, eng.dtype)
+                _, kv = self.store.load(traj, committed, eng.version, eng.fingerprint, eng.dtype, eng.device)
             except SnapshotRejected as exc:
                 rejected = exc.reason
         try:

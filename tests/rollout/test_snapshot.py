@@ -19,6 +19,8 @@ def test_round_trip_through_a_store(tmp_path, uri):
     store.put("traj/1", encode("traj/1", TOK, kv, 3, "fp"))
     h, got = decode(store.get("traj/1"), "traj/1", TOK + [5, 6], 3, "fp", torch.float32)
     assert h.token_count == 20 and all(torch.equal(got[k], kv[k]) for k in kv)
+    h, got = store.load("traj/1", TOK + [5, 6], 3, "fp", torch.float32)  # the fast local path, or bytes
+    assert h.token_count == 20 and all(torch.equal(got[k], kv[k]) for k in kv)
     assert store.get("other") is None and len(store.ids_on_disk()) == 1
     assert store.delete("traj/1") and store.get("traj/1") is None
 
@@ -29,11 +31,31 @@ def test_mem_fs_store():
     assert store.get("a") == b"xyz" and store.delete("a") and store.get("a") is None
 
 
+def test_multi_chunk_payload_and_a_flip_in_any_chunk(tmp_path, monkeypatch):
+    import rollout.snapshot as snap
+    monkeypatch.setattr(snap, "CHUNK_BYTES", 1000)
+    kv = _kv()
+    data = encode("t", TOK, kv, 0, "fp")
+    h = snap.read_header(data)
+    assert len(h.checksums) == -(-(len(data) - h.payload_offset) // 1000) > 3
+    store = SnapshotStore(tmp_path)
+    for off in (h.payload_offset + 5, h.payload_offset + 2500, len(data) - 1):
+        b = bytearray(data)
+        b[off] ^= 1
+        store.put("t", bytes(b))
+        with pytest.raises(SnapshotRejected) as e:
+            store.load("t", TOK, 0, "fp", torch.float32)
+        assert e.value.reason == "corrupt"
+    store.put("t", data)
+    _, got = store.load("t", TOK, 0, "fp", torch.float32)
+    assert all(torch.equal(got[k], kv[k]) for k in kv)
+
+
 @pytest.mark.parametrize("case,reason", [
     ("missing", "missing"), ("flip", "corrupt"), ("truncate", "corrupt"), ("other_traj", "mismatch"),
     ("wal_diverges", "mismatch"), ("old_version", "stale"), ("other_model", "stale"), ("dtype", "mismatch"),
 ])
-def test_bad_snapshots_are_rejected(case, reason):
+def test_bad_snapshots_are_rejected(tmp_path, case, reason):
     data = encode("t", TOK, _kv(), 3, "fp")
     traj, wal, version, fp, dtype = "t", TOK, 3, "fp", torch.float32
     if case == "missing":
@@ -56,4 +78,10 @@ def test_bad_snapshots_are_rejected(case, reason):
         dtype = torch.bfloat16
     with pytest.raises(SnapshotRejected) as e:
         decode(data, traj, wal, version, fp, dtype)
+    assert e.value.reason == reason
+    store = SnapshotStore(tmp_path)  # the local fast path rejects the same way
+    if data is not None:
+        store.put(traj, data)  # stored under the id asked for; the header may name another
+    with pytest.raises(SnapshotRejected) as e:
+        store.load(traj, wal, version, fp, dtype)
     assert e.value.reason == reason
