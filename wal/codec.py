@@ -136,7 +136,8 @@ def decode_body(body: bytes) -> Record:
             if tok_end + n * LOGPROB_BYTES != len(body):
                 raise CodecError("tokens record length mismatch")
             traj = body[off:off + id_len].decode("utf-8")
-            return TokensRecord(lsn, traj, start, version, body[off + id_len:tok_end], body[tok_end:])
+            view = memoryview(body)  # zero-copy slices; each record's views pin only its own body
+            return TokensRecord(lsn, traj, start, version, view[off + id_len:tok_end], view[tok_end:])
         if kind == FINALIZE:
             (id_len,) = ID_HEAD.unpack_from(body, off)
             if off + ID_HEAD.size + id_len != len(body):

@@ -62,7 +62,7 @@ class Trajectory:
         tok = self.tok_chunks[i] if j - i == 1 else b"".join(self.tok_chunks[i:j])
         lp = self.lp_chunks[i] if j - i == 1 else b"".join(self.lp_chunks[i:j])
         a, b = lo - base, hi - base
-        return tok[a * TOKEN_BYTES:b * TOKEN_BYTES], lp[a * LOGPROB_BYTES:b * LOGPROB_BYTES]
+        return bytes(tok[a * TOKEN_BYTES:b * TOKEN_BYTES]), bytes(lp[a * LOGPROB_BYTES:b * LOGPROB_BYTES])
 
     def settle(self, durable_lsn: int) -> int:
         while self.pending and self.pending[0][0] <= durable_lsn:

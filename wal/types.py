@@ -27,8 +27,8 @@ class TokensRecord(NamedTuple):
     traj_id: str
     start: int
     policy_version: int
-    tokens: bytes  # packed TOKEN_DTYPE
-    logprobs: bytes  # packed LOGPROB_DTYPE, one per token
+    tokens: bytes  # packed TOKEN_DTYPE (a read-only memoryview when decoded from disk)
+    logprobs: bytes  # packed LOGPROB_DTYPE, one per token (likewise)
 
     @property
     def n_tokens(self) -> int:
