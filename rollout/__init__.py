@@ -1,3 +1,16 @@
-"""rollout: inference engine (HF causal LM, batched decode, KV cache, deterministic sampling), KV
+"""rollout: inference engine (any HF causal LM, batched decode, KV cache, deterministic sampling), KV
 snapshots, Ray rollout workers, the pool that survives their death, the multi-turn agent loop.
-(Comes with the rollout issue.)"""
+
+    sampling.py   counter-based RNG keyed by (seed, trajectory, position); inverse-CDF draws in fp64
+    kvcache.py    slot KV cache written through HF's `cache.update` protocol (requests join and leave)
+    engine.py     Engine: admit / resume, launch + collect decode steps, accept, strict batch-invariant mode
+    snapshot.py   KV snapshots: safetensors + validating header, chunk crc32c, local / pyarrow.fs store
+    types.py      Request, Finished, WorkerReport, ENV_LOGPROB (marks prompt and tool-result tokens)
+    config.py     EngineConfig, SamplingConfig, PoolConfig, RolloutConfig (configs/rollout.toml)
+    agent.py      one tool turn through the sandbox service, keyed so a replay reuses the recorded result
+    worker.py     RolloutWorker (WAL commit order, preempt with snapshots, resume) + RolloutActor (Ray)
+    pool.py       RolloutPool: bounded in-flight, replacement on death, sink then finalize, stream audit
+    chaos.py      seeded fault schedule: preempt (+ corrupt / delete snapshots), ray.kill, SIGKILL
+    sink.py       DataPlaneSink: finished trajectories into the data plane, idempotent by id
+    run.py        one `postrain rollout` run and its JSON report
+"""

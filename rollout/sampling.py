@@ -66,24 +66,47 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], u_B: list[floa
     if len(params) != B or len(u_B) != B:
         raise ValueError(f"sample: {B} rows but {len(params)} params and {len(u_B)} uniforms")
     x = logits_BV.to(torch.float64)
-    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=x.device)
+    dev = x.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
     greedy = temp == 0
     z = x / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
+    u = torch.tensor(u_B, dtype=torch.float64, device=dev)[:, None]
+    # A row's path depends on its own params only: filtered rows draw over the stably sorted order,
+    # unfiltered rows over the vocabulary order (no sort: the common RL case costs one softmax + cumsum).
+    filtered = [not (p.top_k <= 0 or p.top_k >= V) or p.top_p < 1.0 for p in params]
+    if any(filtered):
+        tok_s, lp_s = _draw_sorted(z, params, u)
+    if not all(filtered):
+        probs = torch.softmax(z, dim=-1)
+        cdf = torch.cumsum(probs, dim=-1)
+        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=V - 1)
+        tok_u = pick[:, 0]
+        lp_u = torch.log(probs.gather(1, pick)[:, 0] / cdf[:, -1])
+    if all(filtered):
+        token, lp = tok_s, lp_s
+    elif not any(filtered):
+        token, lp = tok_u, lp_u
+    else:
+        f = torch.tensor(filtered, device=dev)
+        token, lp = torch.where(f, tok_s, tok_u), torch.where(f, lp_s, lp_u)
+    token = torch.where(greedy, torch.argmax(x, dim=-1), token)  # argmax: first maximum
+    logprob_greedy = torch.log_softmax(x, dim=-1).gather(1, token[:, None])[:, 0]
+    logprob = torch.where(greedy, logprob_greedy, lp)
+    return token, logprob  # on the logits' device: the caller syncs when it reads them
+
+
+def _draw_sorted(z: torch.Tensor, params: list[SamplingParams], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k / top-p filtered draw over the stably sorted probabilities."""
+    B, V = z.shape
     z_sorted, idx = torch.sort(z, dim=-1, descending=True, stable=True)
     probs = torch.softmax(z_sorted, dim=-1)
-    rank = torch.arange(V, device=x.device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=x.device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=x.device)
+    rank = torch.arange(V, device=z.device)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=z.device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=z.device)
     before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each rank
     keep = (rank < top_k[:, None]) & ((before < top_p[:, None]) | (rank == 0))
     kept = torch.where(keep, probs, torch.zeros_like(probs))
     cdf = torch.cumsum(kept, dim=-1)
     total = cdf[:, -1:]
-    u = torch.tensor(u_B, dtype=torch.float64, device=x.device)[:, None]
     pick = torch.searchsorted(cdf, u * total, right=True).clamp_(max=V - 1)
-    pick = torch.where(greedy[:, None], torch.zeros_like(pick), pick)
-    token = idx.gather(1, pick)[:, 0]
-    logprob_sampled = torch.log(kept.gather(1, pick)[:, 0] / total[:, 0])
-    logprob_greedy = torch.log_softmax(x, dim=-1).gather(1, token[:, None])[:, 0]
-    logprob = torch.where(greedy, logprob_greedy, logprob_sampled)
-    return token, logprob  # on the logits' device: the caller syncs when it reads them
+    return idx.gather(1, pick)[:, 0], torch.log(kept.gather(1, pick)[:, 0] / total[:, 0])

@@ -42,3 +42,16 @@ def test_a_row_does_not_depend_on_its_batch():
     for i in range(16):
         t1, l1 = sample(logits[i:i + 1], params[:1], u[i:i + 1])
         assert t1.item() == tok[i].item() and l1.item() == lp[i].item()
+
+
+def test_mixed_filtered_and_plain_rows_are_independent():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 50, generator=g)
+    params = [SamplingParams(top_k=5) if i % 2 else SamplingParams() for i in range(8)]
+    u = [uniform(2, i, 3) for i in range(8)]
+    tok, lp = sample(logits, params, u)
+    for i in range(8):
+        t1, l1 = sample(logits[i:i + 1], params[i:i + 1], u[i:i + 1])
+        assert t1.item() == tok[i].item() and l1.item() == lp[i].item()
+    top5 = torch.topk(logits, 5, dim=-1).indices
+    assert all(tok[i].item() in top5[i].tolist() for i in range(1, 8, 2))

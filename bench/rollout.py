@@ -1,0 +1,277 @@
+"""Rollout benchmark: engine decode vs Hugging Face `generate`, resume by KV restore vs re-prefill,
+WAL commit overhead per decode step. Prints one JSON object.
+
+Baselines measured in the same run: HF `generate` on the same model, batch and lengths (sampling,
+no early stop); re-prefill of the same committed tokens; the same decode loop without the WAL.
+CPU: the tiny policy (PolicyConfig defaults). GPU (when CUDA is present, or --gpu): a ~0.5B
+Qwen2-style config with random weights in bf16, batch 64, prompt 128, 256 new tokens, resume up to 32k.
+
+    python -m bench.rollout --json [--quick] [--out FILE] [--gpu-only]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+GOALS = {
+    "engine_vs_hf_generate_cpu": (">= 1", lambda v: v >= 1),
+    "engine_vs_hf_generate_h200_b64": (">= 5", lambda v: v >= 5),
+    "reprefill_vs_kv_restore_32k": (">= 3", lambda v: v >= 3),
+    "wal_overhead_share_b64_h200": ("<= 0.02", lambda v: v <= 0.02),
+}
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _prompts(B, P, V, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, V, (B, P), generator=g).tolist()  # ids 0..2 are pad/eos/unk in the char vocab
+
+
+def engine_tps(model, tok, prompts, N, device, strict=False, reps=1):
+    from rollout.engine import Engine
+    from rollout.sampling import SamplingParams
+
+    B, P = len(prompts), len(prompts[0])
+    params = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True)
+    eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, strict=strict, device=device)
+    eng.generate([p[:8] for p in prompts[:2]], SamplingParams(max_new_tokens=4, ignore_eos=True), ["w0", "w1"])
+    times, out = [], None
+    for r in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        out = eng.generate(prompts, params, [f"r{r}-{i}" for i in range(B)] if r else [f"t{i}" for i in range(B)])
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return B * N / min(times), [s.tokens for s in out], eng
+
+
+def hf_tps(model, tok, prompts, N, device, reps=1):
+    ids = torch.tensor(prompts, device=device)
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=N, min_new_tokens=N,
+              pad_token_id=tok.pad_token_id if tok is not None else 0)
+    with torch.inference_mode():
+        model.generate(ids[:2, :8], attention_mask=mask[:2, :8], **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, **kw)
+            _sync(device)
+            times.append(time.perf_counter() - t)
+    if out.shape[1] != ids.shape[1] + N:
+        raise RuntimeError(f"HF generate stopped early: {out.shape[1] - ids.shape[1]} of {N} tokens")
+    return len(prompts) * N / min(times)
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where two decodes of the same requests agree (up to the first divergence each)."""
+    same = total = 0
+    for x, y in zip(a, b):
+        total += len(x)
+        for s, t in zip(x, y):
+            if s != t:
+                break
+            same += 1
+    return same / max(1, total)
+
+
+def resume_latency(model, tok, ctx, device, store_dir, reps=2):
+    """Seconds to bring a trajectory of `ctx` committed tokens back: KV restore (snapshot read, validated,
+    loaded) vs re-prefill of the same tokens."""
+    from rollout.engine import Engine
+    from rollout.sampling import SamplingParams
+    from rollout.snapshot import SnapshotStore, encode
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, ignore_eos=True)
+    V = model.config.vocab_size
+    tokens = _prompts(1, ctx, V, seed=ctx)[0]
+    sampled = [False] * (ctx - 4) + [True] * 4  # the last tokens were sampled: resume point is ctx-1
+    eng = Engine(model, tok, seed=0, max_batch=1, max_len=ctx + 16, device=device)
+    eng.add("r", tokens, sampled, params)
+    kv, covered = eng.export_kv("r")
+    store = SnapshotStore(store_dir)
+    store.put("r", encode("r", tokens[:covered], kv, eng.version, eng.fingerprint))
+    del kv
+    eng.remove("r")
+    t_restore, t_prefill = [], []
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        _, kv = store.load("r", tokens, eng.version, eng.fingerprint, eng.dtype, device)
+        eng.add("r", tokens, sampled, params, kv=kv)
+        _sync(device)
+        t_restore.append(time.perf_counter() - t)
+        eng.remove("r")
+        del kv
+        _sync(device)
+        t = time.perf_counter()
+        eng.add("r", tokens, sampled, params)
+        _sync(device)
+        t_prefill.append(time.perf_counter() - t)
+        eng.remove("r")
+    snap_mb = len(store.get("r")) / 2**20
+    return {"context": ctx, "kv_restore_s": min(t_restore), "reprefill_s": min(t_prefill),
+            "snapshot_mb": round(snap_mb, 1), "ratio": min(t_prefill) / min(t_restore)}
+
+
+def wal_overhead(model, tok, prompts, N, device, wal_dir):
+    """Decode loop as the worker runs it (launch step t+1, then commit step t) with and without the WAL."""
+    import wal
+    from rollout.engine import Engine
+    from rollout.sampling import SamplingParams
+    from rollout.types import ENV_LOGPROB
+
+    params = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True)
+    B, P = len(prompts), len(prompts[0])
+    out = {}
+    for with_wal in (False, True, False, True):
+        eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, device=device)
+        log = wal.open(Path(wal_dir) / f"w{len(out)}{with_wal}") if with_wal else None
+        for i, p in enumerate(prompts):
+            eng.add(f"t{i}", p, [False] * P, params)
+            if log:
+                log.append(f"t{i}", 0, p, [ENV_LOGPROB] * P, 0)
+        if log:
+            log.commit()
+        _sync(device)
+        t0 = time.perf_counter()
+        t_wal = 0.0
+        pending = eng.launch()
+        steps = 0
+        while pending is not None:
+            draws = eng.collect(pending)
+            eng.accept(draws)
+            pending = eng.launch()
+            if log:
+                tw = time.perf_counter()
+                for d in draws:
+                    log.append(d.req_id, d.position, [d.token], [d.logprob], 0)
+                log.commit()
+                t_wal += time.perf_counter() - tw
+            steps += 1
+        _sync(device)
+        total = time.perf_counter() - t0
+        if log:
+            log.close()
+        key = "with" if with_wal else "without"
+        best = out.get(key)
+        if best is None or total < best[0]:
+            out[key] = (total, t_wal, steps)
+    (t_with, t_wal, steps), (t_without, _, _) = out["with"], out["without"]
+    return {"batch": B, "steps": steps, "step_ms_without_wal": 1e3 * t_without / steps,
+            "step_ms_with_wal": 1e3 * t_with / steps, "wal_append_commit_ms_per_step": 1e3 * t_wal / steps,
+            "wal_overhead_share": (t_with - t_without) / t_without,
+            "wal_time_share_unhidden_bound": t_wal / t_with}
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def run_cpu(quick: bool) -> dict:
+    from learner.config import PolicyConfig
+    from learner.policy import build_policy
+
+    torch.set_num_threads(2)
+    B, P, N = (8, 16, 16) if quick else (16, 32, 64)
+    model, tok = build_policy(PolicyConfig(max_positions=4096))
+    model.eval()
+    prompts = _prompts(B, P, model.config.vocab_size)
+    reps = 1 if quick else 3
+    fast, fast_out, _ = engine_tps(model, tok, prompts, N, "cpu", reps=reps)
+    strict, strict_out, _ = engine_tps(model, tok, prompts, N, "cpu", strict=True, reps=1)
+    hf = hf_tps(model, tok, prompts, N, "cpu", reps=reps)
+    with tempfile.TemporaryDirectory() as d:
+        resume = [resume_latency(model, tok, c, "cpu", Path(d) / str(c)) for c in ((256,) if quick else (512, 2048))]
+        walo = wal_overhead(model, tok, prompts, N, "cpu", d)
+    return {"model": "tiny qwen2 (PolicyConfig defaults)", "params": sum(p.numel() for p in model.parameters()),
+            "batch": B, "prompt": P, "new_tokens": N,
+            "engine_tokens_per_s": fast, "engine_strict_tokens_per_s": strict, "hf_generate_tokens_per_s": hf,
+            "engine_vs_hf_generate": fast / hf, "fast_vs_strict_agreement": agreement(fast_out, strict_out),
+            "resume": resume, "wal": walo}
+
+
+def run_gpu(quick: bool) -> dict:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    dev = "cuda"
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768 + 64,
+                      tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643, pad_token_id=151643)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).to(dev).eval()
+    B, P, N = (64, 128, 64) if quick else (64, 128, 256)
+    prompts = _prompts(B, P, cfg.vocab_size)
+    fast, fast_out, eng = engine_tps(model, None, prompts, N, dev, reps=2)
+    del eng
+    hf = hf_tps(model, None, prompts, N, dev, reps=1)
+    out = {"model": "qwen2-0.5B-style random bf16", "params": sum(p.numel() for p in model.parameters()),
+           "gpu": torch.cuda.get_device_name(0), "batch": B, "prompt": P, "new_tokens": N,
+           "engine_tokens_per_s": fast, "hf_generate_tokens_per_s": hf, "engine_vs_hf_generate": fast / hf}
+    with tempfile.TemporaryDirectory() as d:
+        out["wal"] = wal_overhead(model, None, prompts, min(N, 128), dev, d)
+        ctxs = (4096, 32768) if quick else (2048, 8192, 32768)
+        out["resume"] = [resume_latency(model, None, c, dev, Path(d) / f"kv{c}") for c in ctxs]
+    return out
+
+
+def _target(name, value, note=None):
+    goal, ok = GOALS[name]
+    t = {"value": None if value is None else round(value, 4), "goal": goal, "met": None if value is None else bool(ok(value))}
+    if note:
+        t["note"] = note
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench rollout", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print JSON (always on; kept for a uniform CLI)")
+    ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--gpu-only", action="store_true", help="skip the CPU part")
+    ap.add_argument("--out", help="also write the JSON here")
+    args = ap.parse_args(argv)
+    res: dict = {"benchmark": "rollout", "device": f"{cpu_name()}, {torch.get_num_threads()} threads"}
+    if not args.gpu_only:
+        res["device"] = f"{cpu_name()}, 2 cores"
+        res["cpu"] = run_cpu(args.quick)
+    gpu_note = "not run: no CUDA device in this run (see bench/results/rollout_h200.json when present)"
+    if torch.cuda.is_available():
+        res["gpu"] = run_gpu(args.quick)
+        res["device"] = f"{res['gpu']['gpu']} + {cpu_name()}"
+        gpu_note = None
+    cpu, gpu = res.get("cpu"), res.get("gpu")
+    r32 = next((r["ratio"] for r in (gpu or {}).get("resume", []) if r["context"] == 32768), None)
+    res["targets"] = {
+        "engine_vs_hf_generate_cpu": _target("engine_vs_hf_generate_cpu", cpu and cpu["engine_vs_hf_generate"],
+                                             None if cpu else "CPU part skipped (--gpu-only)"),
+        "engine_vs_hf_generate_h200_b64": _target("engine_vs_hf_generate_h200_b64", gpu and gpu["engine_vs_hf_generate"], gpu_note),
+        "reprefill_vs_kv_restore_32k": _target("reprefill_vs_kv_restore_32k", r32, gpu_note),
+        "wal_overhead_share_b64_h200": _target("wal_overhead_share_b64_h200", gpu and gpu["wal"]["wal_overhead_share"], gpu_note),
+    }
+    text = json.dumps(res, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
