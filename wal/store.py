@@ -74,14 +74,10 @@ class Store:
         try:
             part = self.tokens.new_part(rec.traj_id, rec.start, rec.tokens, rec.logprobs, rec.policy_version)
         except (ConflictError, GapError) as exc:
-            raise CorruptionError(f"WAL {self.log_dir}: record lsn {rec.lsn} contradicts earlier records: {exc}") from None
+            raise CorruptionError(f"WAL record lsn {rec.lsn} contradicts earlier records: {exc}") from None
         if part is not None:
             pos, skip = part
             self.tokens.apply(rec.traj_id, pos, rec.tokens[skip * 4:], rec.logprobs[skip * 8:], rec.policy_version, rec.lsn)
-
-    @property
-    def log_dir(self):
-        return getattr(self, "log", None) and self.log.directory
 
     def _finish_replay(self, repair: bool) -> None:
         for traj_id, recs in self._deferred.items():

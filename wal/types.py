@@ -69,9 +69,3 @@ class EnvEntry(NamedTuple):
     seq: int
     request: bytes
     response: bytes | None
-
-
-class DurablePosition(NamedTuple):
-    """What a commit acknowledges: every record with lsn <= `lsn` is on disk."""
-
-    lsn: int

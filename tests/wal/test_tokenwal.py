@@ -189,3 +189,32 @@ def test_shipped_config_parses():
 
     cfg = load(WALFileConfig, Path(__file__).parents[2] / "configs" / "wal.toml")
     assert cfg.serve.host == "127.0.0.1" and cfg.wal.segment_bytes >= 4096
+
+
+def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch):
+    import os
+
+    w = wal.open(tmp_path)
+    w.append("t", 0, [1, 2], [-1.0, -2.0], 0)
+    w.commit()
+    real_fsync = os.fsync
+
+    def broken(fd):
+        raise OSError(5, "Input/output error (injected)")
+
+    monkeypatch.setattr(os, "fsync", broken)
+    w.append("t", 2, [3], [-3.0], 0)
+    with pytest.raises(wal.LogClosedError, match="injected"):
+        w.commit()
+    with pytest.raises(wal.LogClosedError):  # after a failed fsync the durable state is unknown: refuse everything
+        w.append("t", 3, [4], [-4.0], 0)
+    with pytest.raises(wal.LogClosedError):
+        w.tokens("t")
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    w.close()
+    w = wal.open(tmp_path)
+    got = w.tokens("t")
+    assert got[:2] == [1, 2] and got in ([1, 2], [1, 2, 3])  # the acknowledged prefix survives
+    w.append("t", len(got), [9], [-9.0], 0)
+    w.commit()
+    w.close()
