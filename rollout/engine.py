@@ -69,7 +69,8 @@ def decode_points(sampled: list[bool], start: int, end: int) -> list[int]:
 
 class Engine:
     def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 16, max_len: int | None = None,
-                 strict: bool = False, policy_version: int = 0, device: str | None = None):
+                 strict: bool = False, policy_version: int = 0, device: str | None = None,
+                 static_decode: bool = False):
         self.model = model.eval()
         self.tok = tokenizer
         self.seed, self.strict, self.version = seed, strict, policy_version
@@ -87,6 +88,10 @@ class Engine:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.fingerprint = model_fingerprint(model)
         self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0}
+        self.static = None
+        if static_decode and not strict:  # all slots per step; a CUDA graph on a GPU
+            from rollout.static_decode import StaticDecoder
+            self.static = StaticDecoder(self, use_graph=self.device.type == "cuda")
 
     # -- weights ----------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -183,12 +188,15 @@ class Engine:
         for s in seqs:
             if len(s.tokens) - s.kv_len > 1:
                 self._feed_block(s, s.tokens[s.kv_len:-1])
-        groups = [[s] for s in seqs] if self.strict else _contiguous(seqs)
-        rows, logits = [], []
-        for g in groups:
-            logits.append(self._forward_rows(g))
-            rows += g
-        logits_BV = torch.cat(logits) if len(logits) > 1 else logits[0]
+        if self.static is not None:
+            rows, logits_BV = seqs, self.static.forward(seqs)
+        else:
+            groups = [[s] for s in seqs] if self.strict else _contiguous(seqs)
+            rows, logits = [], []
+            for g in groups:
+                logits.append(self._forward_rows(g))
+                rows += g
+            logits_BV = torch.cat(logits) if len(logits) > 1 else logits[0]
         u = [uniform(self.seed, s.key, len(s.tokens)) for s in rows]
         tok_B, lp_B = sample(logits_BV, [s.params for s in rows], u)
         return rows, [len(s.tokens) for s in rows], tok_B, lp_B

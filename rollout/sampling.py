@@ -89,6 +89,8 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], u_B: list[floa
     else:
         f = torch.tensor(filtered, device=dev)
         token, lp = torch.where(f, tok_s, tok_u), torch.where(f, lp_s, lp_u)
+    if not any(p.temperature == 0 for p in params):
+        return token, lp
     token = torch.where(greedy, torch.argmax(x, dim=-1), token)  # argmax: first maximum
     logprob_greedy = torch.log_softmax(x, dim=-1).gather(1, token[:, None])[:, 0]
     logprob = torch.where(greedy, logprob_greedy, lp)
