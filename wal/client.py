@@ -23,6 +23,7 @@ from wal import wal_pb2 as pb
 from wal.base import TokenLog
 from wal.errors import ConflictError, FinalizedError, GapError, LogClosedError, RemoteError, WALError
 from wal.server import ERROR_KEY, SERVICE
+from wal.store import _index
 
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -79,10 +80,11 @@ class RemoteWAL(TokenLog):
         tok = codec.pack_tokens(tokens)
         n = len(tok) // 4
         lp = codec.pack_logprobs(logprobs, n)
-        if not isinstance(start, int) or start < 0:
-            raise GapError(f"trajectory {traj_id!r}: start must be an int >= 0, got {start!r}")
-        if not isinstance(policy_version, int) or policy_version < 0:
-            raise codec.CodecError(f"policy_version must be an int >= 0, got {policy_version!r}")
+        start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
+        if start < 0:
+            raise GapError(f"trajectory {traj_id!r}: start {start} is negative")
+        if policy_version < 0:
+            raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
         codec._id_bytes(traj_id, "traj_id")
         with self._lock:
             self._check_open()

@@ -10,6 +10,7 @@ removed, so a finalize record always outlives the token records it kills.
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from pathlib import Path
 
@@ -101,13 +102,13 @@ class Store:
         tok = codec.pack_tokens(tokens)
         n = len(tok) // 4
         lp = codec.pack_logprobs(logprobs, n)
-        if not isinstance(policy_version, int) or policy_version < 0:
-            raise codec.CodecError(f"policy_version must be an int >= 0, got {policy_version!r}")
-        if not isinstance(start, int):
-            raise codec.CodecError(f"start must be an int, got {type(start).__name__}")
+        start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
+        if policy_version < 0:
+            raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
         codec._id_bytes(traj_id, "traj_id")
         step = self.config.max_record_tokens
         with self.mutex:
+            self.log.check_open()
             part = self.tokens.new_part(traj_id, start, tok, lp, policy_version)
             if part is not None:
                 pos, skip = part
@@ -125,22 +126,25 @@ class Store:
     def finalize(self, traj_id: str) -> int:
         codec._id_bytes(traj_id, "traj_id")
         with self.mutex:
+            self.log.check_open()
             if traj_id not in self.tokens.finalized:
                 self.log.append_locked(lambda lsn: codec.encode_finalize(lsn, traj_id))
                 self.tokens.finalize(traj_id)
         return self.log.commit()
 
     def env_invoke(self, sandbox_id: str, seq: int, request: bytes) -> int:
-        request = _as_bytes(request, "request")
+        request, seq = _as_bytes(request, "request"), _index(seq, "seq")
         with self.mutex:
+            self.log.check_open()
             if self.env.needs_invoke(sandbox_id, seq, request):
                 lsn = self.log.append_locked(lambda lsn: codec.encode_env_invoke(lsn, sandbox_id, seq, request))
                 self.env.apply_invoke(sandbox_id, seq, request, lsn)
         return self.log.commit()
 
     def env_result(self, sandbox_id: str, seq: int, response: bytes) -> int:
-        response = _as_bytes(response, "response")
+        response, seq = _as_bytes(response, "response"), _index(seq, "seq")
         with self.mutex:
+            self.log.check_open()
             if self.env.needs_result(sandbox_id, seq, response):
                 lsn = self.log.append_locked(lambda lsn: codec.encode_env_result(lsn, sandbox_id, seq, response))
                 self.env.apply_result(sandbox_id, seq, response, lsn)
@@ -263,6 +267,14 @@ def _frame_bytes(rec: Record) -> int:
         data = rec.request if isinstance(rec, EnvInvokeRecord) else rec.response
         body = 9 + codec.ENV_HEAD.size + len(rec.sandbox_id.encode()) + len(data)
     return codec.FRAME.size + body
+
+
+def _index(value, what: str) -> int:
+    """An integer argument (int, numpy integer, …); floats and strings are refused."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise codec.CodecError(f"{what} must be an integer, got {type(value).__name__}") from None
 
 
 def _as_bytes(data, what: str) -> bytes:

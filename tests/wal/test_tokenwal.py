@@ -218,3 +218,17 @@ def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch)
     w.append("t", len(got), [9], [-9.0], 0)
     w.commit()
     w.close()
+
+
+def test_numpy_integer_positions_are_accepted_and_floats_refused(tmp_path):
+    w = wal.open(tmp_path)
+    w.append("t", np.int64(0), [1], [-1.0], np.int32(2))
+    with pytest.raises(ValueError, match="start must be an integer"):
+        w.append("t", 1.0, [2], [-2.0], 2)
+    w.commit()
+    assert w.policy_versions("t") == [2]
+    env = w.envlog()
+    env.invoke("sb", np.int64(0), b"x")
+    with pytest.raises(ValueError):
+        env.invoke("sb", "1", b"y")
+    w.close()
