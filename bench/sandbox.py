@@ -2,8 +2,11 @@
 
 Measured in one run, same interpreter, same calculator entry point, same expressions:
 - `sandbox`: `postrain sandbox serve` as a child process; each client thread owns a sandbox and issues
-  calls seq 0, 1, 2, … over gRPC (token auth, env-log invoke + result fsyncs, bubblewrap, prlimit, setpriv);
-- `isolation_only` (1 client): the same bubblewrap command run in-process, no gRPC and no log;
+  calls seq 0, 1, 2, … over gRPC (token auth, env-log invoke + result fsyncs, a fresh bubblewrap sandbox
+  per call with rlimits and its slot's uid). The service pre-starts one sandbox per slot, so a call
+  finds one booted and waiting for its program when the service is not saturated;
+- `isolation_only` (1 client): a sandbox started cold for each call, in-process, no gRPC and no log
+  (what isolation costs when nothing is pre-started);
 - `plain_subprocess`: `subprocess.run` of the same command, no isolation, no log (the baseline), started
   in a new session as bubblewrap starts the tool (kernel autogroup scheduling gives every session its own
   CPU share, which on a loaded shared machine would otherwise favour the sandbox);
@@ -175,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                     "like the sandboxed tool (with kernel autogroup scheduling a new session gets its own CPU share "
                     "on a loaded machine); *_same_session: the same without a new session",
         "sched_autogroup": _autogroup(),
+        "sandbox_mode": "service pre-starts one sandbox per slot (booted, waiting for its program); "
+                        "isolation_only starts each sandbox cold",
         **figures,
         "isolation_only_overhead_p50_ms": round(figures["isolation_only_1_client"]["p50_ms"]
                                                 - figures["plain_subprocess_1_client"]["p50_ms"], 2),

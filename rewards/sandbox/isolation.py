@@ -11,12 +11,16 @@ Each execution gets:
   as root every concurrent execution drops to a distinct unprivileged uid (`setpriv`, or the prelude)
   taken from a pool;
   a fork bomb then exhausts only its own uid's budget, never a neighbour's;
+- a fresh sandbox per execution, which may be started ahead of the call (`prestart`): it boots and drops
+  privileges, then waits for its program on stdin, so namespace and interpreter start-up leave the call's
+  critical path without any sandbox ever running two programs;
 - a wall clock: on expiry or on too much output the whole process group is SIGKILLed; killing
   bubblewrap's pid-1 reaper takes the pid namespace down with it, and every process still owned by
   the execution's uid is swept.
 """
 from __future__ import annotations
 
+import marshal
 import os
 import pwd
 import selectors
@@ -30,12 +34,14 @@ from pathlib import Path
 from rewards.sandbox.types import Limits, RunOutcome
 
 UID_BASE = 61000  # execution uids are UID_BASE + slot; chosen far from distribution-assigned ids
+PIPE_BYTES = 64 << 10  # Linux default pipe buffer: a write of at most this never blocks on an empty pipe
 UID_RANGE = 256   # slots 0..255 (max_concurrent <= 256; the benchmark and tests use slots above the service's)
 CENSUS_AFTER_S, CENSUS_EVERY_S = 0.3, 0.1  # a run longer than 0.3 s has its tasks counted every 0.1 s
 
 
-# Runs first in the sandboxed interpreter (argv: uid cpu_s as_bytes nproc fsize_bytes code args...):
-# rlimits, then the uid drop, then the tool's code in a fresh __main__ namespace.
+# Runs first in the sandboxed interpreter (argv: uid cpu_s as_bytes nproc fsize_bytes): rlimits, the uid
+# drop, then it waits for the program (marshal of (code, argv)) on stdin and runs it as __main__. The
+# wait lets the service start a sandbox before a call arrives (see Isolator.prestart).
 _PRELUDE = """\
 import os, resource, sys
 uid, cpu, mem, nproc, fsize = (int(v) for v in sys.argv[1:6])
@@ -50,9 +56,10 @@ if uid >= 0:
     os.setresuid(uid, uid, uid)
     if os.getresuid() != (uid, uid, uid) or os.getuid() == 0:
         sys.exit("sandbox: could not drop privileges")
-code = sys.argv[6]
-sys.argv[:] = ["-c", *sys.argv[7:]]
-del os, resource, uid, cpu, mem, nproc, fsize
+import marshal
+code, args = marshal.loads(sys.stdin.buffer.read())  # blocks until the call is logged and sent
+sys.argv[:] = ["-c", *args]
+del os, resource, marshal, uid, cpu, mem, nproc, fsize, args
 exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
@@ -171,9 +178,9 @@ class Isolator:
                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
         return [self.bwrap, *self._mounts(limits), *ns, "--", *rl, *drop, *command]
 
-    def python_argv(self, python: str, code: str, args: list[str], limits: Limits, uid: int) -> list[str]:
-        """Fast path for Python tools: the interpreter itself sets the rlimits and drops to `uid` (the
-        same steps as prlimit + setpriv, two execs fewer), then runs `code` as __main__ with argv `args`.
+    def python_argv(self, python: str, limits: Limits, uid: int) -> list[str]:
+        """Sandbox for Python tools: the interpreter itself sets the rlimits and drops to `uid` (the
+        same steps as prlimit + setpriv, two execs fewer), then waits for its program on stdin.
         Inside bwrap only CAP_SETUID/CAP_SETGID remain for that; after the drop no capability is left
         and no_new_privs (set by bwrap) forbids regaining one."""
         nproc = limits.processes if self.as_root else limits.processes + len(_tasks_of_uid(os.getuid()))
@@ -181,29 +188,56 @@ class Isolator:
         numbers = [str(v) for v in (uid if self.as_root else -1, limits.cpu_s, limits.address_space_bytes, nproc,
                                     limits.file_size_bytes)]
         return [self.bwrap, *self._mounts(limits), *self._namespaces(), *caps, "--",
-                python, "-I", "-S", "-c", _PRELUDE, *numbers, code, *args]
+                python, "-I", "-S", "-c", _PRELUDE, *numbers]
 
-    def run_python(self, python: str, code: str, args: list[str], limits: Limits, slot: int) -> RunOutcome:
-        """Run Python `code` (argv `args`) isolated as execution slot `slot`."""
+    def prestart(self, python: str, limits: Limits, slot: int) -> subprocess.Popen:
+        """Start a Python sandbox for slot `slot` that boots (namespaces, mounts, interpreter, limits, uid
+        drop) and then waits, running nothing, until run_python hands it a program. Used once."""
         _check_slot(slot)
-        return self._run(self.python_argv(python, code, args, limits, UID_BASE + slot), limits, UID_BASE + slot)
+        return subprocess.Popen(self.python_argv(python, limits, UID_BASE + slot), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+
+    def run_python(self, python: str, code: str, args: list[str], limits: Limits, slot: int,
+                   started: subprocess.Popen | None = None) -> RunOutcome:
+        """Run Python `code` (argv `args`) isolated as slot `slot`, in `started` (from prestart with the same
+        python and limits apart from wall_s) if it is still waiting, else in a sandbox started now."""
+        if started is None or started.poll() is not None:
+            if started is not None:
+                self.discard(started)
+            started = self.prestart(python, limits, slot)
+        program = marshal.dumps((code, list(args)))
+        return self._collect(started, limits, UID_BASE + slot, time.monotonic(), program)
+
+    def discard(self, proc: subprocess.Popen) -> None:
+        """Kill and reap a sandbox that will not be used."""
+        self._kill(proc)
+        proc.wait()
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None:
+                f.close()
 
     def run(self, command: list[str], limits: Limits, slot: int, stdin: bytes = b"") -> RunOutcome:
         """Run any `command` isolated as execution slot `slot` (its uid is UID_BASE + slot)."""
         _check_slot(slot)
-        return self._run(self.argv(command, limits, UID_BASE + slot), limits, UID_BASE + slot, stdin)
-
-    def _run(self, argv: list[str], limits: Limits, uid: int, stdin: bytes = b"") -> RunOutcome:
         start = time.monotonic()
-        deadline = start + limits.wall_s
-        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        proc = subprocess.Popen(self.argv(command, limits, UID_BASE + slot), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        if stdin:
-            try:
-                proc.stdin.write(stdin)
-            except BrokenPipeError:
-                pass
+        return self._collect(proc, limits, UID_BASE + slot, start, stdin)
+
+    def _collect(self, proc: subprocess.Popen, limits: Limits, uid: int, start: float, stdin: bytes) -> RunOutcome:
+        """Feed `stdin`, then read bounded output until exit, the wall clock or the output bound."""
+        deadline = start + limits.wall_s
+        if len(stdin) > PIPE_BYTES:
+            self.discard(proc)
+            raise ValueError(f"stdin of {len(stdin)} bytes exceeds {PIPE_BYTES}: it could block past the wall clock")
+        try:
+            proc.stdin.write(stdin)  # fits the pipe buffer: never blocks, whatever the sandbox does
+        except BrokenPipeError:
+            pass
+        try:
             proc.stdin.close()
+        except BrokenPipeError:
+            pass
         out, err = bytearray(), bytearray()
         timed_out = exceeded = False
         sel = selectors.DefaultSelector()

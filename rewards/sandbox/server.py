@@ -127,7 +127,8 @@ class SandboxServer:
         else:
             print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")
-        toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python)
+        toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python, slots=cfg.max_concurrent)
+        self.toolbox = toolbox
         self.service = SandboxService(self.log, toolbox, Slots(cfg.max_concurrent, cfg.max_queued, cfg.queue_wait_s),
                                       cfg.entries_page)
         self._server = grpc.server(
@@ -139,9 +140,14 @@ class SandboxServer:
             maximum_concurrent_rpcs=cfg.max_concurrent + cfg.max_queued + 32,
         )
         pb_grpc.add_SandboxServicer_to_server(Servicer(self.service, cfg), self._server)
-        self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        try:
+            self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError:  # grpc raises this when the address is taken
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot bind {cfg.host}:{cfg.port}")
+            toolbox.close()
+            self.log.close()
+            raise OSError(f"cannot bind {cfg.host}:{cfg.port} (address in use?)")
         self._server.start()
         self._stopped = threading.Event()
 
@@ -157,4 +163,5 @@ class SandboxServer:
             return
         self._stopped.set()
         self._server.stop(grace_s).wait()
+        self.toolbox.close()
         self.log.close()

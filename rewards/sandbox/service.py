@@ -12,6 +12,7 @@ A different call at a recorded seq is a conflict; a seq past the next one is a g
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from concurrent.futures import Future
@@ -67,7 +68,8 @@ class Slots:
     """A bounded pool of execution slots with a bounded queue of waiters (back-pressure)."""
 
     def __init__(self, n: int, max_queued: int, wait_s: float):
-        self._free = list(range(n - 1, -1, -1))
+        # FIFO: the slot idle longest goes first, so its pre-started sandbox has had the most time to boot
+        self._free = collections.deque(range(n))
         self._cond = threading.Condition()
         self._waiting = 0
         self.max_queued, self.wait_s = max_queued, wait_s
@@ -84,7 +86,7 @@ class Slots:
                         raise Refused("RESOURCE_EXHAUSTED", f"no execution slot free within {wait:.1f}s; retry later")
                 finally:
                     self._waiting -= 1
-            return self._free.pop()
+            return self._free.popleft()
 
     def release(self, slot: int) -> None:
         with self._cond:

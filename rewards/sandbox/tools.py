@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -121,13 +122,36 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class Toolbox:
     """Runs one tool call. Isolated tools go through `isolator` as execution slot `slot`."""
 
-    def __init__(self, state_dir: Path, isolator: Isolator | None, limits: Limits, python: str):
+    def __init__(self, state_dir: Path, isolator: Isolator | None, limits: Limits, python: str, slots: int = 0):
         self.counter_dir = Path(state_dir) / "counters"
         self.counter_dir.mkdir(parents=True, exist_ok=True)
         self.isolator = isolator
         self.limits = limits
         self.python = python
         self._counter_lock = threading.Lock()
+        # One pre-started Python sandbox per execution slot: it boots while no call needs it and runs
+        # exactly one program (a fresh sandbox every call); the slot's owner replaces it after use.
+        self._ready: dict[int, subprocess.Popen] = {}
+        self.warm_slots = slots if isolator is not None else 0
+        self._closed = False
+        if isolator is not None:
+            for slot in range(slots):
+                self._ready[slot] = isolator.prestart(python, limits, slot)
+
+    def close(self) -> None:
+        """Kill the pre-started sandboxes (and start no more)."""
+        self._closed = True
+        while self._ready:
+            _, proc = self._ready.popitem()
+            self.isolator.discard(proc)
+
+    def _run_python(self, code: str, args: list[str], limits: Limits, slot: int) -> RunOutcome:
+        started = self._ready.pop(slot, None)
+        try:
+            return self.isolator.run_python(self.python, code, args, limits, slot, started)
+        finally:
+            if slot < self.warm_slots and not self._closed:  # keep the slot warm for its next call
+                self._ready[slot] = self.isolator.prestart(self.python, self.limits, slot)
 
     def read_counter(self, name: str) -> int:
         path = self.counter_dir / name
@@ -150,12 +174,12 @@ class Toolbox:
                     return ToolOutcome(False, "", T.TOOL_ERROR, str(exc))
             return ToolOutcome(False, "", T.TOOL_ERROR, f"the {tool} tool needs bubblewrap, which this service lacks")
         if tool == "calc":
-            run = self.isolator.run_python(self.python, *calc_program(args), limits, slot)
+            run = self._run_python(*calc_program(args), limits, slot)
             out = run.stdout.decode("utf-8", errors="replace").strip()
             if run.exit_code == _CALC_EXIT_ERROR and not (run.timed_out or run.output_exceeded):
                 return ToolOutcome(False, "", T.TOOL_ERROR, out[:300], run.exit_code, run.wall_ms)
         else:
-            run = self.isolator.run_python(self.python, args, [], limits, slot)
+            run = self._run_python(args, [], limits, slot)
             out = run.stdout.decode("utf-8", errors="replace")
         kind, reason = classify(run, limits)
         return ToolOutcome(not kind, out, kind, reason, run.exit_code, run.wall_ms)

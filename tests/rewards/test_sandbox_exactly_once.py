@@ -24,6 +24,20 @@ def _counter(log_dir) -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
+def _busy(uid_base: int, slots: int) -> bool:
+    """Some task of the slot uids has used at least 0.2 s of CPU (the looping tool, not a waiting sandbox)."""
+    from rewards.sandbox.isolation import _tasks_of_uid
+
+    for pid in [p for s in range(slots) for p in _tasks_of_uid(uid_base + s)]:
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[11]) + int(fields[12]) >= 0.2 * os.sysconf("SC_CLK_TCK"):  # utime + stime
+            return True
+    return False
+
+
 def _wait_in_flight(client: SandboxClient, sandbox_id: str, seq: int, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -116,8 +130,10 @@ def test_sigkill_takes_running_sandboxes_down(tmp_path):
     try:
         t.start()
         _wait_in_flight(client, "loop", 0)
-        time.sleep(0.3)
-        assert sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(2)) >= 1  # the loop runs as a slot uid
+        deadline = time.monotonic() + 8
+        while not _busy(UID_BASE, 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _busy(UID_BASE, 2), "the loop should be running under a slot uid"
         srv.kill()
         t.join(30)
         deadline = time.monotonic() + 5
