@@ -192,7 +192,9 @@ class Isolator:
 
     def prestart(self, python: str, limits: Limits, slot: int) -> subprocess.Popen:
         """Start a Python sandbox for slot `slot` that boots (namespaces, mounts, interpreter, limits, uid
-        drop) and then waits, running nothing, until run_python hands it a program. Used once."""
+        drop) and then waits, running nothing, until run_python hands it a program. Used once.
+        --die-with-parent binds it to the calling *thread*: a sandbox whose starter thread ended is
+        found dead by run_python, which then starts a fresh one."""
         _check_slot(slot)
         return subprocess.Popen(self.python_argv(python, limits, UID_BASE + slot), stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
