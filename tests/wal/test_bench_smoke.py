@@ -1,0 +1,21 @@
+"""The WAL benchmark runs end to end (tiny budget) and prints the JSON the README quotes."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_wal_smoke(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.wal", "--json", "--seconds", "0.05", "--rounds", "1", "--bs", "512",
+                        "--scan-mb", "2", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["device"] and set(out["targets"]) == {"inproc_vs_raw_fsync_b512", "inproc_vs_sqlite_b512",
+                                                     "grpc_4_clients_vs_1", "recovery_scan_mb_s"}
+    for t in out["targets"].values():
+        assert set(t) == {"value", "goal", "met"} and t["value"] > 0
+    cfg = out["configs"]["b512"]
+    assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched"))
+    assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0
+    assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
