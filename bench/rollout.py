@@ -38,13 +38,14 @@ def _prompts(B, P, V, seed=0):
     return torch.randint(3, V, (B, P), generator=g).tolist()  # ids 0..2 are pad/eos/unk in the char vocab
 
 
-def engine_tps(model, tok, prompts, N, device, strict=False, reps=1):
+def engine_tps(model, tok, prompts, N, device, strict=False, reps=1, static=False, fp=None):
     from rollout.engine import Engine
     from rollout.sampling import SamplingParams
 
     B, P = len(prompts), len(prompts[0])
     params = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True)
-    eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, strict=strict, device=device)
+    eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, strict=strict, device=device,
+                 static_decode=static, fingerprint=fp)
     eng.generate([p[:8] for p in prompts[:2]], SamplingParams(max_new_tokens=4, ignore_eos=True), ["w0", "w1"])
     times, out = [], None
     for r in range(reps):
@@ -87,7 +88,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, total)
 
 
-def resume_latency(model, tok, ctx, device, store_dir, reps=2):
+def resume_latency(model, tok, ctx, device, store_dir, reps=2, fp=None):
     """Seconds to bring a trajectory of `ctx` committed tokens back: KV restore (snapshot read, validated,
     loaded) vs re-prefill of the same tokens."""
     from rollout.engine import Engine
@@ -98,7 +99,7 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=2):
     V = model.config.vocab_size
     tokens = _prompts(1, ctx, V, seed=ctx)[0]
     sampled = [False] * (ctx - 4) + [True] * 4  # the last tokens were sampled: resume point is ctx-1
-    eng = Engine(model, tok, seed=0, max_batch=1, max_len=ctx + 16, device=device)
+    eng = Engine(model, tok, seed=0, max_batch=1, max_len=ctx + 16, device=device, fingerprint=fp)
     eng.add("r", tokens, sampled, params)
     kv, covered = eng.export_kv("r")
     store = SnapshotStore(store_dir)
@@ -126,7 +127,7 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=2):
             "snapshot_mb": round(snap_mb, 1), "ratio": min(t_prefill) / min(t_restore)}
 
 
-def wal_overhead(model, tok, prompts, N, device, wal_dir):
+def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None):
     """Decode loop as the worker runs it (launch step t+1, then commit step t) with and without the WAL."""
     import wal
     from rollout.engine import Engine
@@ -137,7 +138,8 @@ def wal_overhead(model, tok, prompts, N, device, wal_dir):
     B, P = len(prompts), len(prompts[0])
     out = {}
     for with_wal in (False, True, False, True):
-        eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, device=device)
+        eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, device=device, static_decode=static,
+                     fingerprint=fp)
         log = wal.open(Path(wal_dir) / f"w{len(out)}{with_wal}") if with_wal else None
         for i, p in enumerate(prompts):
             eng.add(f"t{i}", p, [False] * P, params)
@@ -170,10 +172,10 @@ def wal_overhead(model, tok, prompts, N, device, wal_dir):
         if best is None or total < best[0]:
             out[key] = (total, t_wal, steps)
     (t_with, t_wal, steps), (t_without, _, _) = out["with"], out["without"]
-    return {"batch": B, "steps": steps, "step_ms_without_wal": 1e3 * t_without / steps,
+    return {"batch": B, "steps": steps, "static_decode": static, "step_ms_without_wal": 1e3 * t_without / steps,
             "step_ms_with_wal": 1e3 * t_with / steps, "wal_append_commit_ms_per_step": 1e3 * t_wal / steps,
             "wal_overhead_share": (t_with - t_without) / t_without,
-            "wal_time_share_unhidden_bound": t_wal / t_with}
+            "wal_commit_time_over_step_time": t_wal / t_without}
 
 
 def cpu_name() -> str:
@@ -186,50 +188,87 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def run_cpu(quick: bool) -> dict:
+def _attempt(out: dict, key: str, fn):
+    """Run one measurement; a failure is recorded (one line) instead of losing the others."""
+    try:
+        out[key] = fn()
+    except Exception as exc:  # a benchmark section that breaks must not hide the rest of the run
+        out[key + "_error"] = f"{type(exc).__name__}: {exc}"[:500]
+
+
+def run_cpu(quick: bool, scratch: Path) -> dict:
     from learner.config import PolicyConfig
     from learner.policy import build_policy
+    from rollout.engine import model_fingerprint
 
     torch.set_num_threads(2)
     B, P, N = (8, 16, 16) if quick else (16, 32, 64)
     model, tok = build_policy(PolicyConfig(max_positions=4096))
     model.eval()
+    fp = model_fingerprint(model)
     prompts = _prompts(B, P, model.config.vocab_size)
     reps = 1 if quick else 3
-    fast, fast_out, _ = engine_tps(model, tok, prompts, N, "cpu", reps=reps)
-    strict, strict_out, _ = engine_tps(model, tok, prompts, N, "cpu", strict=True, reps=1)
+    fast, fast_out, _ = engine_tps(model, tok, prompts, N, "cpu", reps=reps, fp=fp)
+    static, _, _ = engine_tps(model, tok, prompts, N, "cpu", reps=reps, static=True, fp=fp)
+    strict, strict_out, _ = engine_tps(model, tok, prompts, N, "cpu", strict=True, reps=1, fp=fp)
     hf = hf_tps(model, tok, prompts, N, "cpu", reps=reps)
-    with tempfile.TemporaryDirectory() as d:
-        resume = [resume_latency(model, tok, c, "cpu", Path(d) / str(c)) for c in ((256,) if quick else (512, 2048))]
-        walo = wal_overhead(model, tok, prompts, N, "cpu", d)
+    resume = [resume_latency(model, tok, c, "cpu", scratch / f"kv{c}", fp=fp) for c in ((256,) if quick else (512, 2048))]
+    walo = wal_overhead(model, tok, prompts, N, "cpu", scratch, fp=fp)
+    best = max(fast, static)
     return {"model": "tiny qwen2 (PolicyConfig defaults)", "params": sum(p.numel() for p in model.parameters()),
-            "batch": B, "prompt": P, "new_tokens": N,
-            "engine_tokens_per_s": fast, "engine_strict_tokens_per_s": strict, "hf_generate_tokens_per_s": hf,
-            "engine_vs_hf_generate": fast / hf, "fast_vs_strict_agreement": agreement(fast_out, strict_out),
-            "resume": resume, "wal": walo}
+            "batch": B, "prompt": P, "new_tokens": N, "threads": 2,
+            "engine_tokens_per_s": fast, "engine_static_tokens_per_s": static, "engine_strict_tokens_per_s": strict,
+            "hf_generate_tokens_per_s": hf, "engine_vs_hf_generate": best / hf,
+            "engine_mode_for_ratio": "static" if static > fast else "eager",
+            "fast_vs_strict_agreement": agreement(fast_out, strict_out), "resume": resume, "wal": walo}
 
 
-def run_gpu(quick: bool) -> dict:
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def qwen2_05b_config(max_positions: int = 32768 + 64, small: bool = False):
+    from transformers import Qwen2Config
 
-    dev = "cuda"
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768 + 64,
-                      tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643, pad_token_id=151643)
+    if small:  # the same code path at toy size (to check the GPU section on a CPU)
+        return Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                           tie_word_embeddings=True, rope_theta=1e6, eos_token_id=999, pad_token_id=999)
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=max_positions,
+                       tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643, pad_token_id=151643)
+
+
+def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = False) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engine import model_fingerprint
+
+    cfg = qwen2_05b_config(small=small)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16).to(dev).eval()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
+    fp = model_fingerprint(model)
     B, P, N = (64, 128, 64) if quick else (64, 128, 256)
+    if small:
+        B, P, N = 8, 16, 16
     prompts = _prompts(B, P, cfg.vocab_size)
-    fast, fast_out, eng = engine_tps(model, None, prompts, N, dev, reps=2)
-    del eng
-    hf = hf_tps(model, None, prompts, N, dev, reps=1)
-    out = {"model": "qwen2-0.5B-style random bf16", "params": sum(p.numel() for p in model.parameters()),
-           "gpu": torch.cuda.get_device_name(0), "batch": B, "prompt": P, "new_tokens": N,
-           "engine_tokens_per_s": fast, "hf_generate_tokens_per_s": hf, "engine_vs_hf_generate": fast / hf}
-    with tempfile.TemporaryDirectory() as d:
-        out["wal"] = wal_overhead(model, None, prompts, min(N, 128), dev, d)
-        ctxs = (4096, 32768) if quick else (2048, 8192, 32768)
-        out["resume"] = [resume_latency(model, None, c, dev, Path(d) / f"kv{c}") for c in ctxs]
+    out = {"model": "qwen2-0.5B-style random " + str(dtype).removeprefix("torch."),
+           "params": sum(p.numel() for p in model.parameters()),
+           "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "batch": B, "prompt": P, "new_tokens": N}
+    _attempt(out, "engine_static_tokens_per_s", lambda: engine_tps(model, None, prompts, N, device, reps=2, static=True, fp=fp)[0])
+    _attempt(out, "engine_eager_tokens_per_s", lambda: engine_tps(model, None, prompts, N, device, reps=1, fp=fp)[0])
+    _attempt(out, "hf_generate_tokens_per_s", lambda: hf_tps(model, None, prompts, N, device, reps=1))
+    best = max([out.get("engine_static_tokens_per_s", 0), out.get("engine_eager_tokens_per_s", 0)])
+    if best and out.get("hf_generate_tokens_per_s"):
+        out["engine_vs_hf_generate"] = best / out["hf_generate_tokens_per_s"]
+    static_ok = "engine_static_tokens_per_s" in out
+    _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
+                                              static=static_ok, fp=fp))
+    ctxs = (2048, 8192, 32768) if not small else (256,)
+    out["resume"] = []
+    for c in ctxs:
+        r: dict = {}
+        _attempt(r, "r", lambda: resume_latency(model, None, c, device, scratch / f"kv{c}", fp=fp))
+        out["resume"].append(r.get("r") or {"context": c, "error": r.get("r_error")})
+        torch.cuda.empty_cache() if device == "cuda" else None
     return out
 
 
@@ -247,24 +286,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--gpu-only", action="store_true", help="skip the CPU part")
     ap.add_argument("--out", help="also write the JSON here")
+    ap.add_argument("--scratch", help="directory for WAL and snapshot files (default: a temp dir; use a disk, not tmpfs)")
     args = ap.parse_args(argv)
-    res: dict = {"benchmark": "rollout", "device": f"{cpu_name()}, {torch.get_num_threads()} threads"}
+    scratch_ctx = tempfile.TemporaryDirectory() if not args.scratch else None
+    scratch = Path(args.scratch or scratch_ctx.name)
+    scratch.mkdir(parents=True, exist_ok=True)
+    res: dict = {"benchmark": "rollout", "device": f"{cpu_name()}, 2 cores"}
     if not args.gpu_only:
-        res["device"] = f"{cpu_name()}, 2 cores"
-        res["cpu"] = run_cpu(args.quick)
+        res["cpu"] = run_cpu(args.quick, scratch / "cpu")
     gpu_note = "not run: no CUDA device in this run (see bench/results/rollout_h200.json when present)"
     if torch.cuda.is_available():
-        res["gpu"] = run_gpu(args.quick)
-        res["device"] = f"{res['gpu']['gpu']} + {cpu_name()}"
+        res["gpu"] = run_gpu(args.quick, scratch / "gpu")
+        res["device"] = f"{res['gpu']['gpu']} + {cpu_name()}" + ("" if args.gpu_only else " (CPU part: 2 threads)")
         gpu_note = None
     cpu, gpu = res.get("cpu"), res.get("gpu")
-    r32 = next((r["ratio"] for r in (gpu or {}).get("resume", []) if r["context"] == 32768), None)
+    r32 = next((r.get("ratio") for r in (gpu or {}).get("resume", []) if r.get("context") == 32768), None)
     res["targets"] = {
         "engine_vs_hf_generate_cpu": _target("engine_vs_hf_generate_cpu", cpu and cpu["engine_vs_hf_generate"],
                                              None if cpu else "CPU part skipped (--gpu-only)"),
-        "engine_vs_hf_generate_h200_b64": _target("engine_vs_hf_generate_h200_b64", gpu and gpu["engine_vs_hf_generate"], gpu_note),
+        "engine_vs_hf_generate_h200_b64": _target("engine_vs_hf_generate_h200_b64", gpu and gpu.get("engine_vs_hf_generate"), gpu_note),
         "reprefill_vs_kv_restore_32k": _target("reprefill_vs_kv_restore_32k", r32, gpu_note),
-        "wal_overhead_share_b64_h200": _target("wal_overhead_share_b64_h200", gpu and gpu["wal"]["wal_overhead_share"], gpu_note),
+        "wal_overhead_share_b64_h200": _target("wal_overhead_share_b64_h200", gpu and gpu.get("wal", {}).get("wal_overhead_share"), gpu_note),
     }
     text = json.dumps(res, indent=2)
     print(text)

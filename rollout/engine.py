@@ -70,7 +70,7 @@ def decode_points(sampled: list[bool], start: int, end: int) -> list[int]:
 class Engine:
     def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 16, max_len: int | None = None,
                  strict: bool = False, policy_version: int = 0, device: str | None = None,
-                 static_decode: bool = False):
+                 static_decode: bool = False, fingerprint: str | None = None):
         self.model = model.eval()
         self.tok = tokenizer
         self.seed, self.strict, self.version = seed, strict, policy_version
@@ -86,7 +86,7 @@ class Engine:
         self.seqs: dict[str, Seq] = {}
         self._free = list(range(max_batch))
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.fingerprint = model_fingerprint(model)
+        self.fingerprint = fingerprint or model_fingerprint(model)  # callers that share a model pass it once
         self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0}
         self.static = None
         if static_decode and not strict:  # all slots per step; a CUDA graph on a GPU
