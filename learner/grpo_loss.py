@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -209,27 +208,78 @@ def selective_log_softmax(logits_NV: torch.Tensor, labels_N: torch.Tensor, chunk
     return logp_N, ent_N
 
 
-def _head_chunk(hidden_CH, weight_VH, labels_C, with_entropy):
-    logits_CV = hidden_CH @ weight_VH.t()
-    logp_C, ent_C = _chunk_logprobs(logits_CV, labels_C, with_entropy)
-    return (logp_C, ent_C) if with_entropy else (logp_C,)
+def _compute_dtype(hidden_NH: torch.Tensor) -> torch.dtype:
+    dev = hidden_NH.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return hidden_NH.dtype
+
+
+class _FusedLogprobHead(torch.autograd.Function):
+    """logits = hidden @ weightᵀ one chunk of rows at a time; only [N] results and the row logsumexp
+    are kept. The backward recomputes each chunk's logits and forms dlogits in place:
+      d logp_label / dz = onehot(label) − p,      d H / dz = −p · (log p + H)."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, chunk_rows: int, with_entropy: bool, compute_dtype):
+        out_dtype = torch.promote_types(compute_dtype, torch.float32)
+        n = hidden_NH.shape[0]
+        logp_N = torch.empty(n, dtype=out_dtype, device=hidden_NH.device)
+        lse_N = torch.empty_like(logp_N)
+        ent_N = torch.empty_like(logp_N) if with_entropy else None
+        w_VH = weight_VH.to(compute_dtype)
+        for a in range(0, n, chunk_rows):
+            b = min(n, a + chunk_rows)
+            logits_CV = (hidden_NH[a:b].to(compute_dtype) @ w_VH.t()).to(out_dtype)
+            lse_C = torch.logsumexp(logits_CV, dim=-1)
+            lse_N[a:b] = lse_C
+            logp_N[a:b] = logits_CV.gather(-1, labels_N[a:b, None]).squeeze(-1) - lse_C
+            if with_entropy:
+                logits_CV.sub_(lse_C[:, None])  # now log p
+                ent_N[a:b] = -(logits_CV.exp() * logits_CV).sum(-1)
+        ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, ent_N if with_entropy else lse_N)
+        ctx.chunk_rows, ctx.with_entropy, ctx.compute_dtype = chunk_rows, with_entropy, compute_dtype
+        if with_entropy:
+            return logp_N, ent_N
+        return logp_N, torch.zeros(0, dtype=out_dtype, device=hidden_NH.device)
+
+    @staticmethod
+    def backward(ctx, g_logp_N, g_ent_N):
+        hidden_NH, weight_VH, labels_N, lse_N, ent_N = ctx.saved_tensors
+        cd = ctx.compute_dtype
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        use_ent = ctx.with_entropy and g_ent_N is not None and g_ent_N.numel() > 0
+        w_VH = weight_VH.to(cd)
+        grad_h_NH = torch.zeros_like(hidden_NH) if need_h else None
+        grad_w_VH = torch.zeros(weight_VH.shape, dtype=torch.promote_types(weight_VH.dtype, torch.float32),
+                                device=weight_VH.device) if need_w else None
+        g_logp_N = g_logp_N if g_logp_N is not None else torch.zeros_like(lse_N)
+        n = hidden_NH.shape[0]
+        for a in range(0, n, ctx.chunk_rows):
+            b = min(n, a + ctx.chunk_rows)
+            h_CH = hidden_NH[a:b].to(cd)
+            logp_CV = (h_CH @ w_VH.t()).to(lse_N.dtype).sub_(lse_N[a:b, None])
+            p_CV = logp_CV.exp()
+            if use_ent:  # g_H · (−p (log p + H))
+                grad_CV = logp_CV.add_(ent_N[a:b, None]).mul_(p_CV).mul_(-g_ent_N[a:b, None])
+                grad_CV.sub_(p_CV.mul_(g_logp_N[a:b, None]))
+            else:
+                grad_CV = p_CV.mul_(-g_logp_N[a:b, None])
+            grad_CV.scatter_add_(1, labels_N[a:b, None], g_logp_N[a:b, None].to(grad_CV.dtype))
+            grad_CV = grad_CV.to(cd)
+            if need_h:
+                grad_h_NH[a:b] = (grad_CV @ w_VH).to(hidden_NH.dtype)
+            if need_w:
+                grad_w_VH += (grad_CV.t() @ h_CH).to(grad_w_VH.dtype)
+        return grad_h_NH, grad_w_VH.to(weight_VH.dtype) if need_w else None, None, None, None, None
 
 
 def logprobs_from_hidden(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,
                          chunk_rows: int = 2048, with_entropy: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The LM head fused with the log-softmax: logits exist for one chunk of rows at a time, in the
-    forward and (recomputed) in the backward, so peak memory is O(chunk_rows · V), not O(N · V)."""
-    logps, ents = [], []
-    for start in range(0, hidden_NH.shape[0], chunk_rows):
-        args = (hidden_NH[start:start + chunk_rows], weight_VH, labels_N[start:start + chunk_rows], with_entropy)
-        if torch.is_grad_enabled() and (hidden_NH.requires_grad or weight_VH.requires_grad):
-            out = checkpoint(_head_chunk, *args, use_reentrant=False)
-        else:
-            out = _head_chunk(*args)
-        logps.append(out[0])
-        if with_entropy:
-            ents.append(out[1])
-    logp_N = torch.cat(logps) if logps else hidden_NH.new_zeros(0, dtype=torch.float32)
-    return logp_N, (torch.cat(ents) if with_entropy and ents else None)
-
+    """The LM head fused with the log-softmax (and entropy): logits exist for one chunk of rows at a
+    time, in the forward and (recomputed) in the backward, so peak memory is O(chunk_rows · V), not
+    O(N · V). Matmuls run in the autocast dtype when autocast is on; results are at least fp32."""
+    logp_N, ent_N = _FusedLogprobHead.apply(hidden_NH, weight_VH, labels_N, chunk_rows, with_entropy,
+                                            _compute_dtype(hidden_NH))
+    return logp_N, (ent_N if with_entropy else None)

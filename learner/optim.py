@@ -22,7 +22,8 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.opt
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # foreach=False: the same per-parameter arithmetic whatever the ranks, for bitwise-comparable updates.
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, foreach=False)
+    # GPU: the fused kernel. CPU: plain per-parameter loops, the same arithmetic whatever the ranks.
+    fast = dict(fused=True) if any(p.is_cuda for p in decay + no_decay) else dict(foreach=False)
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fast)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
     return opt, sched

@@ -337,7 +337,9 @@ class Learner:
     def _clip(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.cfg.optim.grad_clip > 0:
-            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=False))
+            # CPU: per-tensor loops, the same arithmetic whatever the ranks; GPU: the foreach kernels.
+            foreach = None if self.device.type == "cuda" else False
+            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach))
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
 
     # -- state for checkpoints ---------------------------------------------------------------------

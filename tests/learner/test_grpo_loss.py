@@ -188,3 +188,19 @@ def test_fused_head_bf16_close_to_fp64():
     lp, _ = logprobs_from_hidden(hidden.bfloat16(), weight.bfloat16(), labels, chunk_rows=7)
     assert lp.dtype == torch.float32
     torch.testing.assert_close(lp.double(), exp_lp, rtol=0.05, atol=0.1)
+
+
+def test_fused_head_without_entropy_and_frozen_weight():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(17, 8, generator=g, requires_grad=True)
+    weight = torch.randn(40, 8, generator=g)  # frozen: no weight gradient is formed
+    labels = torch.randint(0, 40, (17,), generator=g)
+    up = torch.randn(17, generator=g)
+    exp_lp, _ = reference_logprobs(hidden @ weight.t(), labels)
+    (exp_lp * up).sum().backward()
+    expected = hidden.grad.clone()
+    hidden.grad = None
+    lp, ent = logprobs_from_hidden(hidden, weight, labels, chunk_rows=6)
+    assert ent is None
+    (lp * up).sum().backward()
+    torch.testing.assert_close(hidden.grad, expected)
