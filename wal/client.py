@@ -30,6 +30,7 @@ _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCod
 _ERRORS = {"GapError": GapError, "ConflictError": ConflictError, "FinalizedError": FinalizedError,
            "CodecError": codec.CodecError}
 _END = object()
+_MAX_UNACKED = 16  # requests held for resending before an append forces a commit
 
 
 class AuthError(WALError, PermissionError):
@@ -91,7 +92,10 @@ class RemoteWAL(TokenLog):
             self._chunks.append(pb.TokenChunk(traj_id=traj_id, start=start, policy_version=policy_version, tokens=tok, logprobs=lp))
             self._chunk_bytes += len(tok) + len(lp) + len(traj_id) + 32
             if self._chunk_bytes >= self._max_pending:
-                self._send(commit=False)  # stream it now; the ack of the next commit covers it
+                if len(self._unacked) >= _MAX_UNACKED:
+                    self._commit_locked()  # bound what is held for resending
+                else:
+                    self._send(commit=False)  # stream it now; the ack of the next commit covers it
         return start + n
 
     def _check_open(self) -> None:
@@ -125,23 +129,27 @@ class RemoteWAL(TokenLog):
     def commit(self) -> int:
         with self._lock:
             self._check_open()
-            req = self._send(commit=True)
-            deadline = time.monotonic() + self.retry_s
-            while True:
-                try:
-                    ack = next(self._stream)
-                    if ack.batch_id != req.batch_id:
-                        raise RemoteError(f"WAL service acknowledged batch {ack.batch_id}, expected {req.batch_id}")
+            return self._commit_locked()
+
+    def _commit_locked(self) -> int:
+        """Send the queued chunks with commit=true and wait for the ack, reconnecting and resending as needed."""
+        req = self._send(commit=True)
+        deadline = time.monotonic() + self.retry_s
+        while True:
+            try:
+                ack = next(self._stream)
+                if ack.batch_id != req.batch_id:
+                    raise RemoteError(f"WAL service acknowledged batch {ack.batch_id}, expected {req.batch_id}")
+                self._unacked.clear()
+                return ack.durable_lsn
+            except (grpc.RpcError, StopIteration) as exc:
+                self._drop_stream()
+                if isinstance(exc, grpc.RpcError) and exc.code() not in _RETRY:
                     self._unacked.clear()
-                    return ack.durable_lsn
-                except (grpc.RpcError, StopIteration) as exc:
-                    self._drop_stream()
-                    if isinstance(exc, grpc.RpcError) and exc.code() not in _RETRY:
-                        self._unacked.clear()
-                        raise _to_exception(exc) from None
-                    self._await_server(deadline, exc)
-                    self.reconnects += 1
-                    self._open_stream()
+                    raise _to_exception(exc) from None
+                self._await_server(deadline, exc)
+                self.reconnects += 1
+                self._open_stream()
 
     def _drop_stream(self) -> None:
         if self._stream is not None:

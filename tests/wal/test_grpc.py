@@ -204,3 +204,13 @@ def test_server_sigkilled_mid_stream_client_finishes_without_loss_or_duplicate(t
     report = verify(directory)
     assert report["tokens"] == trajs * steps * per, "a retried batch was written twice"
     assert report["ok"]
+
+
+def test_large_uncommitted_batches_are_streamed_and_bounded(server):
+    c = wal.connect(server.address, max_pending_bytes=4096)
+    for i in range(400):  # ~80 streamed requests: some forced commits bound what the client holds for resending
+        c.append("s", i * 8, list(range(i, i + 8)), [-0.5] * 8, 0)
+    assert len(c._unacked) <= 16
+    c.commit()
+    assert c.tokens("s") == [v for i in range(400) for v in range(i, i + 8)]
+    c.close()
