@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=20_000, help="trajectories per dataset")
     ap.add_argument("--tokens", type=int, default=20_000_000, help="T: tokens of the small dataset (the large has 10x)")
     ap.add_argument("--max-len", type=int, default=1_000_000, help="longest trajectory, tokens")
-    ap.add_argument("--tokens-per-rank", type=int, default=65_536, help="token budget per rank and minibatch")
+    ap.add_argument("--tokens-per-rank", type=int, default=262_144, help="token budget per rank and minibatch")
     ap.add_argument("--ranks", type=int, default=4, help="data-parallel ranks planned for")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=15, help="plans timed per size (best is reported)")

@@ -26,6 +26,29 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+class MappedShard:
+    """An open shard: its record batch (views of the map) and the map itself."""
+
+    def __init__(self, path: str, mm: mmap.mmap | None, source, batch: pa.RecordBatch):
+        self.path, self.mm, self.source, self.batch = path, mm, source, batch
+
+    def drop_pages(self) -> None:
+        """Unmap this process's pages of the file (the page cache keeps them): bounds RSS while open."""
+        if self.mm is not None:
+            self.mm.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self.batch = None
+        self.source.close()
+        self.source = None
+        if self.mm is not None:
+            try:
+                self.mm.close()
+            except BufferError:  # a view escaped; the map closes when the last view is collected
+                pass
+            self.mm = None
+
+
 class ShardStore:
     """Shards live at `<root>/<relative path>`; the catalog stores only relative paths, so a store can move."""
 
@@ -77,17 +100,15 @@ class ShardStore:
         return buf.size, crc
 
     # -- read ----------------------------------------------------------------------------------------
-    @contextmanager
-    def open(self, rel: str, who: str = ""):
-        """Yield the shard's record batch; memory-mapped (zero-copy) on local disks. Everything that
-        views the batch must be dropped before the context ends: the map is closed then."""
+    def map(self, rel: str, who: str = "") -> MappedShard:
+        """Open a shard: memory-mapped (zero-copy) on local disks, else read through pyarrow.fs."""
         path = self.full_path(rel)
         what = f"shard file {path}" + (f" (needed by {who})" if who else "")
         mm = None
         try:
             if self.use_mmap:
                 # Python's mmap, not pa.memory_map: Arrow advises WILLNEED on every read of a map, which
-                # costs ~1 ms per shard opened; the page cache serves us either way.
+                # costs ~1 ms per shard opened; and Python's map can drop its pages (MADV_DONTNEED).
                 with open(path, "rb") as f:
                     mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 source = pa.BufferReader(pa.py_buffer(mm))
@@ -99,23 +120,24 @@ class ShardStore:
         except ValueError as exc:  # mmap of an empty file
             raise ChecksumError(f"{what} is not a readable shard (corrupt or truncated): {exc}") from None
         try:
-            try:
-                reader = ipc.open_file(source)
-                if reader.num_record_batches != 1:
-                    raise pa.ArrowInvalid(f"{reader.num_record_batches} record batches, expected 1")
-                batch = reader.get_batch(0)
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise ChecksumError(f"{what} is not a readable shard (corrupt or truncated): {exc}") from None
-            yield batch
-            del batch, reader
-        finally:
+            reader = ipc.open_file(source)
+            if reader.num_record_batches != 1:
+                raise pa.ArrowInvalid(f"{reader.num_record_batches} record batches, expected 1")
+            batch = reader.get_batch(0)
+        except (pa.ArrowInvalid, OSError) as exc:
             source.close()
-            del source
-            if mm is not None:
-                try:
-                    mm.close()
-                except BufferError:  # a view escaped; the map closes when the last view is collected
-                    pass
+            raise ChecksumError(f"{what} is not a readable shard (corrupt or truncated): {exc}") from None
+        return MappedShard(path, mm, source, batch)
+
+    @contextmanager
+    def open(self, rel: str, who: str = ""):
+        """Yield the shard's record batch. Everything that views it must be dropped before the context
+        ends: the map is closed then."""
+        shard = self.map(rel, who)
+        try:
+            yield shard.batch
+        finally:
+            shard.close()
 
     def checksum(self, rel: str) -> int:
         path = self.full_path(rel)
