@@ -160,11 +160,11 @@ STATS = dict(variant="cublas", BLOCK_M=8, BLOCK_V=1024, num_warps=8)
 TUNE_CANDIDATES = [
     dict(FUSED, chunk_tokens=1024),
     dict(STATS, chunk_tokens=1024),
-    dict(STATS, chunk_tokens=1536),
     dict(STATS, chunk_tokens=1024, overlap=True),
-    dict(STATS, chunk_tokens=1536, overlap=True),
-    dict(STATS, chunk_tokens=768, overlap=True),
-    dict(STATS, BLOCK_M=16, BLOCK_V=512, EW_BLOCK=4096, chunk_tokens=1024),
+    dict(STATS, BLOCK_M=4, BLOCK_V=2048, num_warps=4, chunk_tokens=1024),
+    dict(STATS, BLOCK_M=16, BLOCK_V=1024, num_warps=8, chunk_tokens=1024),
+    dict(STATS, BLOCK_M=8, BLOCK_V=1024, num_warps=4, EW_BLOCK=4096, chunk_tokens=1024),
+    dict(STATS, BLOCK_M=2, BLOCK_V=4096, num_warps=8, EW_BLOCK=1024, chunk_tokens=1024),
 ]
 TIMING_KEYS = ("ms", "ms_min", "peak_extra_gib", "reps")
 
@@ -178,7 +178,7 @@ def _ours_fn(config=None):
     return fn
 
 
-def _profile(fn, x, top: int = 14) -> list:
+def _profile(fn, x, top: int = 14) -> dict:
     """GPU time per kernel name over one forward+backward (torch.profiler)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -194,7 +194,23 @@ def _profile(fn, x, top: int = 14) -> list:
         if t:
             rows.append(dict(kernel=evt.key[:120], calls=evt.count, ms=t / 1e3))
     rows.sort(key=lambda r: -r["ms"])
-    return rows[:top]
+    out = dict(kernels=rows[:top])
+    try:  # GPU timeline: busy time, span, and the largest idle gaps between kernels
+        kern = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if str(getattr(e, "device_type", "")).endswith("CUDA")), key=lambda k: k[0])
+        gaps, busy, last_end, last_name = [], 0.0, None, None
+        for start, end, name in kern:
+            busy += end - start
+            if last_end is not None and start > last_end:
+                gaps.append(dict(us=start - last_end, after=last_name[:60], before=name[:60]))
+            if last_end is None or end > last_end:
+                last_end, last_name = end, name
+        gaps.sort(key=lambda g: -g["us"])
+        out.update(busy_ms=busy / 1e3, span_ms=(last_end - kern[0][0]) / 1e3 if kern else None,
+                   idle_ms=sum(g["us"] for g in gaps) / 1e3, largest_gaps=gaps[:8])
+    except Exception as exc:
+        out["timeline_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
 
 
 def run_cuda(quick: bool, profile: bool = False, tune: bool = True) -> dict:

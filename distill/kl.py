@@ -96,9 +96,12 @@ class _ReverseKL(torch.autograd.Function):
             raise RuntimeError("reverse_kl: backward ran twice over the same graph; call reverse_kl again")
         dh, dW = ctx.grads
         ctx.grads = None
+        # The usual upstream gradient is exactly 1: skip a pass over the [V, H] gradient then (one
+        # host sync on a scalar; the forward's kernels are already queued).
         g = grad_loss.float()
-        gh = dh.mul_(g) if ctx.needs_input_grad[0] and dh is not None else None
-        gW = dW.mul_(g) if ctx.needs_input_grad[1] and dW is not None else None
+        unit = bool(g == 1.0)
+        gh = (dh if unit else dh.mul_(g)) if ctx.needs_input_grad[0] and dh is not None else None
+        gW = (dW if unit else dW.mul_(g)) if ctx.needs_input_grad[1] and dW is not None else None
         return gh, gW, None, None, None, None, None, None, None
 
 
