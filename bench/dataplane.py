@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks", type=int, default=4, help="data-parallel ranks planned for")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=15, help="plans timed per size (best is reported)")
-    ap.add_argument("--take-repeats", type=int, default=3, help="full-copy shuffles timed per size (best is reported)")
+    ap.add_argument("--take-repeats", type=int, default=2, help="full-copy shuffles timed per size (best is reported)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray Data baseline")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir, deleted afterwards)")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
