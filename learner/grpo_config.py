@@ -70,6 +70,10 @@ class LearnerConfig(Config):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     bf16: bool = Field(True, description="bf16 autocast on GPU (CPU always runs in the model's dtype)")
     logprob_chunk_rows: int = Field(2048, ge=1, le=1 << 20, description="rows of the fused LM head per chunk")
+    entropy_metric: bool = Field(True, description="report token entropy even when entropy_coef = 0 "
+                                                   "(one more pass over each chunk's logits)")
+    activation_checkpointing: bool = Field(False, description="recompute each block in the backward "
+                                                              "(long packs: less memory, ~1/3 more compute)")
     threads: int = Field(0, ge=0, le=256, description="torch CPU threads per rank; 0 = cores / ranks")
     seed: int = Field(0, ge=0, description="learner RNG seed")
 

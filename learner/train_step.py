@@ -169,7 +169,8 @@ class LogprobModel(torch.nn.Module):
         self.model = model
         self.chunk_rows = chunk_rows
 
-    def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False):
+    def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False,
+                with_entropy: bool = True):
         trunk = self.model.base_model
         # use_cache=False: with a cache HF skips the packed-sequence (block-diagonal) mask.
         hidden_NH = trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
@@ -178,13 +179,16 @@ class LogprobModel(torch.nn.Module):
         if temperature != 1.0:
             hidden_NH = hidden_NH / temperature  # (h / T) W^T = logits / T
         # Position t-1 predicts token t; a sequence's first token has no context and gets 0.
+        with_entropy = with_entropy or entropy_grad
         logp, ent = logprobs_from_hidden(hidden_NH[:-1], weight_VH, input_ids_N[1:], self.chunk_rows,
-                                         with_entropy=True)
+                                         with_entropy=with_entropy)
         zero = logp.new_zeros(1)
-        ent = ent if entropy_grad else ent.detach()
         starts_N = position_ids_N == 0
-        logp_N, ent_N = torch.cat([zero, logp]), torch.cat([zero, ent])
-        return logp_N.masked_fill(starts_N, 0.0), ent_N.masked_fill(starts_N, 0.0)
+        logp_N = torch.cat([zero, logp]).masked_fill(starts_N, 0.0)
+        if not with_entropy:
+            return logp_N, None
+        ent = ent if entropy_grad else ent.detach()
+        return logp_N, torch.cat([zero, ent]).masked_fill(starts_N, 0.0)
 
 
 class Collectives:
@@ -222,6 +226,12 @@ class Learner:
         self.device = pick_device(cfg.learner.device)
         self.model = model.to(self.device)
         self.model.train()
+        if cfg.learner.activation_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.core = LogprobModel(self.model, cfg.learner.logprob_chunk_rows)
         self.net = wrap(self.core) if wrap else self.core  # DDP when ranks > 1
         self.coll = collectives or Collectives(1)
@@ -269,13 +279,14 @@ class Learner:
                 if self.ref is None:
                     raise ValueError("kl_coef > 0 needs ref_logprobs in the batch or a reference model")
                 with torch.no_grad(), self.autocast:
-                    ref_lp = self.ref(mb.input_ids_N, mb.position_ids_N, self.cfg.loss.temperature)[0]
+                    ref_lp = self.ref(mb.input_ids_N, mb.position_ids_N, self.cfg.loss.temperature,
+                                      with_entropy=False)[0]
             last = i == len(mbs) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
             with sync:
                 with self.autocast:
                     logp_N, ent_N = self.net(mb.input_ids_N, mb.position_ids_N, self.cfg.loss.temperature,
-                                             self.opts.entropy_coef > 0)
+                                             self.opts.entropy_coef > 0, self.cfg.learner.entropy_metric)
                 out = grpo_loss(LossInputs(
                     logprobs_N=logp_N, behaviour_logprobs_N=mb.behaviour_logprobs_N,
                     advantages_N=mb.advantages_N, loss_mask_N=mb.loss_mask_N, seq_ids_N=mb.seq_ids(),

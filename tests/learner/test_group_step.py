@@ -156,3 +156,17 @@ def test_packed_batch_from_loader_dict_and_bad_input():
         PackedBatch.from_dict(bad)
     with pytest.raises(ValueError, match="shape"):
         PackedBatch.from_dict(dict(d, logprobs=b.behaviour_logprobs_N[:-1]))
+
+
+def test_activation_checkpointing_and_entropy_switch_keep_the_gradient():
+    model, vocab = tiny_model()
+    batch = synthetic_packed_batch(vocab, LENGTHS, seed=6)
+    got = []
+    for learner_cfg in ({}, {"activation_checkpointing": True, "entropy_metric": False}):
+        m = copy.deepcopy(model)
+        metrics = Learner(m, config(learner=learner_cfg)).accumulate_gradients([batch])
+        got.append((grads(m), metrics))
+    (g0, m0), (g1, m1) = got
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-13, msg=name)
+    assert "entropy" in m0 and "entropy" not in m1
