@@ -185,9 +185,17 @@ class Engine:
         seqs = sorted(self.running(), key=lambda s: s.slot)
         if not seqs:
             return None
+        fresh: dict[int, list[Seq]] = {}
         for s in seqs:
             if len(s.tokens) - s.kv_len > 1:
-                self._feed_block(s, s.tokens[s.kv_len:-1])
+                if s.kv_len == 0 and not self.strict:  # new prompts of one length: one batched prefill
+                    fresh.setdefault(len(s.tokens), []).append(s)
+                else:
+                    self._feed_block(s, s.tokens[s.kv_len:-1])
+        for group in fresh.values():
+            self._prefill_fresh([s.slot for s in group], torch.tensor([s.tokens[:-1] for s in group], device=self.device))
+            for s in group:
+                s.kv_len = len(s.tokens) - 1
         if self.static is not None:
             rows, logits_BV = seqs, self.static.forward(seqs)
         else:
@@ -251,27 +259,31 @@ class Engine:
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start, start + T, device=self.device)
         if start == 0:  # no past: plain causal attention (flash kernels), then the K/V go into the slot
-            self._prefill_fresh(seq.slot, ids, pos[None])
+            self._prefill_fresh([seq.slot], ids)
         else:
             mask = (torch.arange(start + T, device=self.device)[None, :] <= pos[:, None])[None, None]
             self.kv.bind(seq.slot, seq.slot + 1, None, start, T, start + T)
             self._run(ids, pos[None], mask)
+            self.stats["block_tokens"] += T
         seq.kv_len += T
-        self.stats["block_tokens"] += T
 
-    def _prefill_fresh(self, slot: int, ids: torch.Tensor, pos: torch.Tensor) -> None:
+    def _prefill_fresh(self, slots: list[int], ids_NT: torch.Tensor) -> None:
+        """Prefill rows with no past (equal lengths) with plain causal attention, then move their K/V into `slots`."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
+        N, T = ids_NT.shape
+        pos = torch.arange(T, device=self.device)[None].expand(N, T)
         self.stats["forwards"] += 1
-        self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        T = ids.shape[1]
+        self.model(input_ids=ids_NT, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        rows = torch.tensor(slots, device=self.device)
         for i in range(len(self.kv.k)):
             layer = cache.layers[i] if hasattr(cache, "layers") else None
             k = layer.keys if layer is not None else cache.key_cache[i]
             v = layer.values if layer is not None else cache.value_cache[i]
-            self.kv.k[i][slot, :, :T] = k[0]
-            self.kv.v[i][slot, :, :T] = v[0]
+            self.kv.k[i][rows, :, :T] = k
+            self.kv.v[i][rows, :, :T] = v
+        self.stats["block_tokens"] += N * T
 
     def _forward_rows(self, group: list[Seq]) -> torch.Tensor:
         """One decode row per request of a contiguous slot range: feeds its last pending token, returns logits [B, V]."""

@@ -53,6 +53,8 @@ def test_faults_lose_nothing_and_resample_nothing(tmp_path, tiny_ckpt):
     ref = _reference(tmp_path, tiny_ckpt, reqs)
     run_dir = tmp_path / "run"
     pool = RolloutPool(tiny_ckpt, run_dir, PoolConfig(workers=2, steps_per_call=3), ENGINE, use_tools=False)
+    from learner.policy import load_policy
+    pool.update_weights(load_policy(tiny_ckpt)[0].state_dict(), 2)  # same weights, new version: replacements too
     chaos = [Fault(2, "sigkill", 0), Fault(3, "preempt", 1), Fault(5, "ray_kill", 0), Fault(6, "preempt_corrupt", 1),
              Fault(8, "preempt_delete", 0)]
     try:
@@ -64,16 +66,17 @@ def test_faults_lose_nothing_and_resample_nothing(tmp_path, tiny_ckpt):
         assert res.finished[t].tokens == f.tokens, t
         assert _positions_contiguous(run_dir, 2, t) == len(f.tokens)
     assert res.tokens_lost == 0 and res.tokens_resampled == 0
+    assert all(set(f.policy_versions) == {2} for f in res.finished.values())  # every token records its policy
     assert sum(res.faults.values()) == 5 and res.replacements == 5
     assert res.counters["kv_restore"] + res.counters["reprefill"] >= 1
 
 
-def _seed_wal_with_a_call(run_dir, tok, prompt, call):
+def _seed_wal_with_a_call(run_dir, tok, prompt, call, traj="calc-x"):
     """A trajectory whose committed tokens end with a complete tool call (as if sampled)."""
     log = wal.open(run_dir / "wal" / "0")
     p, c = tok.encode(prompt), tok.encode(call)
-    log.append("calc-x", 0, p, [ENV_LOGPROB] * len(p), 0)
-    log.append("calc-x", len(p), c, [-1.0] * len(c), 0)
+    log.append(traj, 0, p, [ENV_LOGPROB] * len(p), 0)
+    log.append(traj, len(p), c, [-1.0] * len(c), 0)
     log.commit()
     log.close()
 
@@ -82,6 +85,7 @@ def test_tool_runs_exactly_once_across_a_kill_mid_call(tmp_path, tiny_ckpt, tiny
     run_dir = tmp_path / "run"
     prompt = "mul 123*456="
     _seed_wal_with_a_call(run_dir, tiny_policy[1], prompt, "<call>counter: hits 2500</call>")
+    _seed_wal_with_a_call(run_dir, tiny_policy[1], "mul 37*41=", "<call>calc: 37*41</call>", traj="calc-y")
     pool = RolloutPool(tiny_ckpt, run_dir, PoolConfig(workers=1, steps_per_call=4), ENGINE, use_tools=True)
     killed = []
 
@@ -93,7 +97,7 @@ def test_tool_runs_exactly_once_across_a_kill_mid_call(tmp_path, tiny_ckpt, tiny
     try:
         threading.Thread(target=killer, daemon=True).start()
         params = SamplingParams(max_new_tokens=40, stop=("</call>",))
-        res = pool.run([Request("calc-x", "calc", prompt, params)])
+        res = pool.run([Request("calc-x", "calc", prompt, params), Request("calc-y", "calc", "mul 37*41=", params)])
         counter = pool.sandbox.service._toolbox.read_counter("hits") if hasattr(pool.sandbox.service, "_toolbox") \
             else int((run_dir / "sandbox" / "counters" / "hits").read_text())
     finally:
@@ -103,3 +107,9 @@ def test_tool_runs_exactly_once_across_a_kill_mid_call(tmp_path, tiny_ckpt, tiny
     text = res.finished["calc-x"].completion
     assert "<call>counter: hits 2500</call><result>1</result>" in text
     assert res.counters["tool_recorded"] >= 1  # the replacement reused the recorded result
+    y = res.finished["calc-y"]
+    assert "<call>calc: 37*41</call><result>1517</result>" in y.completion  # the calculator ran in the sandbox
+    n_result = len(tiny_policy[1].encode("<result>1517</result>"))
+    start = len(tiny_policy[1].encode("mul 37*41=<call>calc: 37*41</call>"))
+    assert y.loss_mask[start:start + n_result] == [False] * n_result  # result tokens are loss-masked
+    assert y.loss_mask[start - 1] and not any(y.loss_mask[:len(tiny_policy[1].encode("mul 37*41="))])

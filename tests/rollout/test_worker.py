@@ -140,3 +140,15 @@ def test_commit_order_tokens_are_durable_before_exposed(tmp_path, tiny_ckpt):
     for t, toks in seen.items():
         assert log.tokens(t)[-len(toks):] == toks
     log.close()
+
+
+def test_weight_update_mid_trajectory_records_versions(tmp_path, tiny_ckpt, tiny_policy):
+    w = RolloutWorker(_spec(tmp_path, tiny_ckpt, "w"))
+    w.submit(_requests(2))
+    for _ in range(3):
+        w.run(1)
+    w.update_weights({k: v.clone() for k, v in tiny_policy[0].state_dict().items()}, 7)
+    out = _drain(w)
+    for f in out.values():
+        v = f.policy_versions
+        assert v == sorted(v) and v[0] == 0 and v[-1] == 7  # tokens before the update say 0, after it 7
