@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"error": f"sandbox isolation unavailable: {reason}"}))
         return 1
     python = os.path.realpath(sys.executable)
-    iso = Isolator(hidden=[Path.home()], exposed=[Path(sys.base_prefix), Path(sys.prefix)])
+    iso = Isolator()
 
     def plain(w, i, expr, expected, new_session=True):
         out = subprocess.run(calc_command(python, expr), capture_output=True, timeout=30,

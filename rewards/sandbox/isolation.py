@@ -119,8 +119,8 @@ def _tasks_of_uid(uid: int) -> list[int]:
 class Isolator:
     """Builds and runs the bubblewrap command line for one execution.
 
-    `hidden`: host directories the sandbox must not see (state dir, env log, home of the service user);
-    `exposed`: directories under a hidden one that must stay readable (the Python installation).
+    `hidden`: host directories the sandbox must not see (state dir, env log; the service user's home always);
+    `exposed`: directories under a hidden one that must stay readable (this Python installation always).
     """
 
     def __init__(self, hidden: list[Path] = (), exposed: list[Path] = ()):
@@ -136,8 +136,10 @@ class Isolator:
         self.prlimit = shutil.which("prlimit")
         self.setpriv = shutil.which("setpriv")
         self.as_root = os.geteuid() == 0
-        self.hidden = [Path(p).resolve() for p in hidden]
-        self.exposed = [Path(p).resolve() for p in exposed]
+        # Always hidden: the service user's home. Always readable: this interpreter's installation (it may
+        # live under that home, e.g. pyenv), so the Python tools can start once they dropped root.
+        self.hidden = [Path(p).resolve() for p in (*hidden, Path.home())]
+        self.exposed = [Path(p).resolve() for p in (*exposed, sys.base_prefix, sys.prefix)]
 
     def _mounts(self, limits: Limits) -> list[str]:
         args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",

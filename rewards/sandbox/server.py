@@ -120,10 +120,9 @@ class SandboxServer:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.token = resolve_token(token, log_dir)
         python = os.path.realpath(sys.executable)
-        home = Path(os.path.expanduser("~"))
         self.isolator = None
         if cfg.require_isolation or probe() is None:
-            self.isolator = Isolator(hidden=[log_dir, home], exposed=[Path(sys.base_prefix), Path(sys.prefix)])
+            self.isolator = Isolator(hidden=[log_dir])
         else:
             print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")

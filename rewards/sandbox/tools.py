@@ -28,12 +28,14 @@ MAX_HOLD_MS = 10_000
 _COUNTER_RE = re.compile(r"([a-z0-9_]{1,32})(?:\s+(\d{1,5}))?")
 _CALC_EXIT_ERROR = 3
 
-# Runs inside the sandbox: loads calculator.py by path (not the `rewards` package, whose __init__ pulls
-# every domain) and prints the value, or the CalcError on stdout with exit code 3.
+# Runs inside the sandbox: runs the source of rewards/calculator.py, handed over with the call (the
+# sandbox needs no view of the repository, and not the `rewards` package, whose __init__ pulls every
+# domain), and prints the value, or the CalcError on stdout with exit code 3.
+_CALC_SOURCE = Path(rewards.calculator.__file__).read_text()
 _CALC_ENTRY = (
     "import sys\n"
     "ns = {'__name__': 'calculator'}\n"
-    "exec(compile(open(sys.argv[1]).read(), sys.argv[1], 'exec'), ns)\n"
+    "exec(compile(sys.argv[1], 'calculator.py', 'exec'), ns)\n"
     "try:\n"
     "    print(ns['calculate'](sys.argv[2]))\n"
     "except ns['CalcError'] as exc:\n"
@@ -44,7 +46,7 @@ _CALC_ENTRY = (
 
 def calc_program(expr: str) -> tuple[str, list[str]]:
     """(code, argv) of the calculator tool for interpreter flags -I -S (fresh, stdlib only)."""
-    return _CALC_ENTRY, [rewards.calculator.__file__, expr]
+    return _CALC_ENTRY, [_CALC_SOURCE, expr]
 
 
 def calc_command(python: str, expr: str) -> list[str]:

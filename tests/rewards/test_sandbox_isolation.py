@@ -213,3 +213,27 @@ def test_closing_its_pipes_does_not_escape_the_wall_clock(client):
     assert hostile.result.error_kind == T.TIMEOUT and hostile.result.wall_ms < 3000, hostile.result
     _assert_benign(benign)
     assert _pool_leftovers() == 0
+
+
+def test_every_call_gets_a_fresh_sandbox(client):
+    """Pre-started sandboxes run one program each: nothing of one call is visible to the next."""
+    sid = _sid("fresh")
+    first = client.execute(sid, 0, "python", "import os\nopen('/tmp/mark', 'w').write('x')\nprint(os.getpid())\n")
+    seen = [client.execute(sid, 1 + i, "python", "import os\nprint(os.path.exists('/tmp/mark'))\n") for i in range(MAX_CONCURRENT + 1)]
+    assert first.result.ok and all(s.result.output.strip() == "False" for s in seen), seen
+
+
+def test_a_dead_prestarted_sandbox_is_replaced(tmp_path):
+    import sys
+
+    from rewards.sandbox.isolation import Isolator
+    from rewards.sandbox.tools import Toolbox
+
+    tb = Toolbox(tmp_path, Isolator(), T.Limits(), os.path.realpath(sys.executable), slots=1)
+    try:
+        tb._ready[0].kill()  # e.g. its starter thread ended (--die-with-parent)
+        tb._ready[0].wait()
+        assert tb.run("calc", "6*7", 0, 0).output == "42"
+        assert tb._ready[0].poll() is None  # and the slot is warm again
+    finally:
+        tb.close()
