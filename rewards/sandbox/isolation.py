@@ -9,8 +9,7 @@ Each execution gets:
   preexec_fn, as running Python between fork and exec in a multi-threaded gRPC server can deadlock;
 - a uid of its own: RLIMIT_NPROC counts tasks per real uid and root ignores it, so when the service runs
   as root every concurrent execution drops to a distinct unprivileged uid (`setpriv`, or the prelude)
-  taken from a pool;
-  a fork bomb then exhausts only its own uid's budget, never a neighbour's;
+  taken from a pool: a fork bomb exhausts only its own uid's budget, never a neighbour's;
 - a fresh sandbox per execution, which may be started ahead of the call (`prestart`): it boots and drops
   privileges, then waits for its program on stdin, so namespace and interpreter start-up leave the call's
   critical path without any sandbox ever running two programs;
