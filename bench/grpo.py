@@ -6,13 +6,14 @@ installed), fused LM head + log-softmax in row chunks (no [N, V] fp32 tensor), G
 Naive: the same sequences, same micro-batch grouping, padded to the longest of each micro-batch,
 plain HF forward with an attention mask, full logits, fp32 log_softmax over the vocabulary, the plain
 PyTorch reference loss (`padded_reference_loss`), AdamW. Both take the same optimizer steps on the
-same data from the same weights; tokens/s counts real (unpadded) tokens.
+same data from the same weights; tokens/s counts real (unpadded) tokens. The two steps alternate,
+K times each, and each side's best step time is reported (medians too).
 
 MFU = model FLOPs / s / peak, model FLOPs = 6 · (non-embedding params + LM head) · tokens
 + 6 · layers · hidden · Σ_seq len² (causal attention, forward + backward); peak = 989.4 TFLOP/s (H200
 dense bf16). On CPU the tiny config runs in fp32 and the GPU targets are reported as not applicable.
 
-    python -m bench.grpo --json [--device auto|cpu|cuda] [--steps 3] [--out bench/results/grpo.json]
+    python -m bench.grpo --json [--device auto|cpu|cuda] [--steps 5] [--out bench/results/grpo.json]
 """
 from __future__ import annotations
 
@@ -215,14 +216,6 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
         row: dict = dict(pack_tokens=P, tokens_per_step=tokens, model_flops_per_step=flops)
 
         learner = Learner(copy.deepcopy(base), cfg)
-        learner.train_step(mbs)  # warm-up
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t = _time_steps(lambda: learner.train_step(mbs), steps, sync)
-        row["ours"] = dict(step_s=statistics.median(t), tokens_per_s=tokens / statistics.median(t))
-        if cuda:
-            row["ours"]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del learner
         naive_model = copy.deepcopy(naive_base)
         opt, _ = build_optimizer(naive_model, cfg.optim)
 
@@ -232,21 +225,35 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+        # Interleaved, best of K: on a shared machine the load drifts; both sides see the same drift.
+        learner.train_step(mbs)  # warm-up (and compilation, for flex attention)
+        naive_ok, t_ours, t_naive, peak = True, [], [], {}
         try:
             naive_step()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            t = _time_steps(naive_step, steps, sync)
-            row["naive"] = dict(step_s=statistics.median(t), tokens_per_s=tokens / statistics.median(t),
+        except torch.OutOfMemoryError as exc:  # the naive step's full logits may not fit: recorded, not raised
+            naive_ok = False
+            row["naive"] = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
+            opt.zero_grad(set_to_none=True)
+        for _ in range(steps):
+            for name, fn, out in (("ours", lambda: learner.train_step(mbs), t_ours), ("naive", naive_step, t_naive)):
+                if name == "naive" and not naive_ok:
+                    continue
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                out.extend(_time_steps(fn, 1, sync))
+                if cuda:
+                    peak[name] = torch.cuda.max_memory_allocated() / 2**30
+        row["ours"] = dict(step_s=min(t_ours), step_s_median=statistics.median(t_ours), tokens_per_s=tokens / min(t_ours))
+        if naive_ok:
+            row["naive"] = dict(step_s=min(t_naive), step_s_median=statistics.median(t_naive),
+                                tokens_per_s=tokens / min(t_naive),
                                 padded_tokens_per_step=sum(mb.num_seqs * int(mb.cu_seqlens_S1.diff().max()) for mb in mbs))
-            if cuda:
-                row["naive"]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
             row["vs_naive_step"] = row["naive"]["step_s"] / row["ours"]["step_s"]
             tot["naive_tokens"] += tokens
             tot["naive_s"] += row["naive"]["step_s"]
-        except torch.OutOfMemoryError as exc:  # the naive step's full logits may not fit: recorded, not raised
-            row["naive"] = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
-        del naive_model, opt
+        for name, gib in peak.items():
+            row[name]["peak_mem_gib"] = gib
+        del learner, naive_model, opt
         if cuda:
             torch.cuda.empty_cache()
         row["ours"]["model_tflops_per_s"] = flops / row["ours"]["step_s"] / 1e12
@@ -288,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="postrain bench grpo", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
-    p.add_argument("--steps", type=int, default=3, help="measured optimizer steps per pack size (median)")
+    p.add_argument("--steps", type=int, default=5, help="measured optimizer steps per pack size and side (best of)")
     p.add_argument("--attn", choices=["sdpa", "flash_attention_2", "flex_attention", "eager"],
                    help="attention of the packed step (default: flash_attention_2 if installed, else "
                         "flex_attention on GPU; sdpa on CPU); the naive step always uses sdpa with padding")
