@@ -237,3 +237,35 @@ def test_undecodable_recorded_result_is_data_loss(tmp_path):
             assert exc.value.code == grpc.StatusCode.DATA_LOSS and "does not decode" in exc.value.details
     finally:
         srv.stop()
+
+
+def test_concurrent_duplicates_run_once_and_next_seq_waits(client, server):
+    """Two callers send the same (sandbox, seq) at once: one runs it, the other joins; seq+1 meanwhile is refused."""
+    out = []
+    threads = [threading.Thread(target=lambda: out.append(client.execute("dup", 0, "counter", "dup 800")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while not any(e.in_flight for e in client.entries("dup")[0]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(SandboxRefused) as exc:
+        client.execute("dup", 1, "calc", "1+1")
+    assert exc.value.code == grpc.StatusCode.FAILED_PRECONDITION and "still running" in exc.value.details
+    for t in threads:
+        t.join()
+    assert len(out) == 2 and out[0].raw == out[1].raw and out[0].result.output == "1"
+    assert server.service.toolbox.read_counter("dup") == 1
+
+
+def test_many_sandboxes_at_once(client, server):
+    """20 trajectories x 5 counter calls in parallel: every call counted once, every value handed out once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def trajectory(k):
+        return [client.execute(f"many-{k}", seq, "counter", "many").result.output for seq in range(5)]
+
+    with ThreadPoolExecutor(20) as pool:
+        values = [int(v) for vs in pool.map(trajectory, range(20)) for v in vs]
+    assert sorted(values) == list(range(1, 101))
+    assert server.service.toolbox.read_counter("many") == 100
