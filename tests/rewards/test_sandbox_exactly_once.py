@@ -187,14 +187,33 @@ def test_counter_at_most_once_under_random_sigkill(tmp_path, seed):
     finally:
         client.close()
         srv.kill()
-    values, aborted_since_last, last = [], 0, 0
-    for e in entries:
-        if e.result is None:
-            aborted_since_last += 1
+    outputs = [int(e.result.result.output) if e.result else None for e in entries]
+    assert _unexplained_increments(outputs, _counter(log_dir)) is None
+    assert sum(v is not None for v in outputs) >= 5, "too few calls completed for the test to mean anything"
+
+
+def _unexplained_increments(outputs: list[int | None], counter: int) -> str | None:
+    """None if every increment of the counter is explained by one logged call, else what is not.
+
+    `outputs`: per seq, the counter value the call returned, or None for a call aborted by a crash
+    (it may or may not have incremented before dying)."""
+    last, aborted = 0, 0
+    for seq, v in enumerate(outputs):
+        if v is None:
+            aborted += 1
             continue
-        v = int(e.result.result.output)
-        assert v > last and v - last - 1 <= aborted_since_last, (v, last, aborted_since_last)
-        values.append(v)
-        last, aborted_since_last = v, 0
-    assert _counter(log_dir) - last <= aborted_since_last
-    assert len(values) >= 5, "too few calls completed for the test to mean anything"
+        if not (v > last and v - last - 1 <= aborted):
+            return f"seq {seq} returned {v} after {last} with {aborted} aborted call(s) in between"
+        last, aborted = v, 0
+    if counter - last > aborted:
+        return f"counter at {counter}, last recorded {last}, only {aborted} aborted call(s) after it"
+    return None
+
+
+def test_the_checker_catches_a_hidden_rerun():
+    """Canary: the checker of the random-kill test must flag a re-executed call."""
+    assert _unexplained_increments([1, 2, None, 4, 5], 5) is None      # the aborted call had incremented
+    assert _unexplained_increments([1, 2, None, 3], 3) is None         # it had not
+    assert _unexplained_increments([1, 3, 4], 4) is not None           # something ran 2 without a log entry
+    assert _unexplained_increments([1, 2, 3], 4) is not None           # a replay re-ran the tool
+    assert _unexplained_increments([1, None, 2], 4) is not None        # two increments, one aborted call
