@@ -52,6 +52,34 @@ class PackedBatch:
     seq_loss_tokens_S: torch.Tensor | None = None  # whole-trajectory loss tokens when a sequence is a piece
 
     @classmethod
+    def from_dataplane(cls, batch, advantages: dict[str, float],
+                       versions_field: str = "policy_version") -> "PackedBatch | None":
+        """One rank's minibatch from the data plane's loader (`dataplane.Batch`), with each trajectory's
+        advantage looked up by id (computed over whole groups, from the selection's metadata). Per-token
+        policy versions come from the extra field `versions_field` when the loader was asked for it.
+        None for a rank with no segment in this minibatch.
+
+        A trajectory cut into pieces cannot be trained on here: a later piece's log-probs need the
+        tokens before it, which are in another minibatch."""
+        if batch.num_tokens == 0:
+            return None
+        split = (batch.seg_start != 0) | (batch.seg_stop != batch.traj_length)
+        if split.any():
+            i = int(split.argmax())
+            raise ValueError(f"trajectory {batch.traj_ids[i]!r} was split (tokens {int(batch.seg_start[i])}.."
+                             f"{int(batch.seg_stop[i])} of {int(batch.traj_length[i])}); the GRPO learner needs "
+                             "whole trajectories: plan with tokens_per_rank >= the longest trajectory")
+        missing = [t for t in batch.traj_ids if t not in advantages]
+        if missing:
+            raise ValueError(f"no advantage for trajectories {missing[:3]} (of {len(missing)})")
+        adv_S = torch.tensor([advantages[t] for t in batch.traj_ids], dtype=torch.float32)
+        d = {"input_ids": batch.input_ids, "position_ids": batch.position_ids, "cu_seqlens": batch.cu_seqlens,
+             "loss_mask": batch.loss_mask, "behaviour_logprobs": batch.logprobs, "advantages": adv_S}
+        if versions_field in batch.extras:
+            d["token_versions"] = batch.extras[versions_field]
+        return cls.from_dict(d)
+
+    @classmethod
     def from_dict(cls, d: dict[str, torch.Tensor]) -> "PackedBatch":
         """Build from a loader's dict; per-sequence advantages [S] are spread over tokens, and a
         missing `cu_seqlens` is derived from `position_ids` (a sequence starts where position is 0)."""
@@ -138,6 +166,13 @@ class PackedBatch:
             used += length
         out.append(self.select(first, len(lengths)))
         return out
+
+
+def idle_batch() -> PackedBatch:
+    """Two tokens and no loss token: a zero-gradient micro-batch for a rank the plan left empty."""
+    return PackedBatch(input_ids_N=torch.zeros(2, dtype=torch.long), position_ids_N=torch.arange(2),
+                       cu_seqlens_S1=torch.tensor([0, 2]), loss_mask_N=torch.zeros(2, dtype=torch.bool),
+                       behaviour_logprobs_N=torch.zeros(2), advantages_N=torch.zeros(2))
 
 
 def concat(batches: list[PackedBatch]) -> PackedBatch:
@@ -259,8 +294,8 @@ class Learner:
     def accumulate_gradients(self, micro_batches: list[PackedBatch]) -> dict[str, float]:
         """Forward and backward of every micro-batch; leaves the step's (rank-synchronised) gradients in
         `.grad` and returns the step's metrics, token-weighted over all micro-batches and ranks."""
-        if not micro_batches:
-            raise ValueError("train_step needs at least one micro-batch on every rank")
+        if not micro_batches:  # a rank with no data this step still joins the gradient all-reduce
+            micro_batches = [idle_batch()]
         mbs, stale = self._bound_staleness([mb.validate().to(self.device) for mb in micro_batches])
         counts = torch.zeros(2, dtype=torch.float64)
         for mb in mbs:
@@ -274,7 +309,7 @@ class Learner:
         sums: dict[str, torch.Tensor] = {}
         weight, loss_total, tokens = 0.0, torch.zeros((), dtype=torch.float64, device=self.device), 0
         for i, mb in enumerate(mbs):
-            ref_lp = mb.ref_logprobs_N
+            ref_lp = mb.ref_logprobs_N if need_ref else None  # same metric keys on every rank
             if need_ref and ref_lp is None:
                 if self.ref is None:
                     raise ValueError("kl_coef > 0 needs ref_logprobs in the batch or a reference model")
