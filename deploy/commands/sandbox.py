@@ -1,6 +1,6 @@
-"""`postrain sandbox serve`: the tool sandbox service (gRPC, bubblewrap isolation, environment log)."""
+"""`postrain sandbox serve|call|log`: the tool sandbox service (gRPC, bubblewrap isolation, environment log)."""
 NAME = "sandbox"
-HELP = "tool sandbox service: `postrain sandbox serve --port P`"
+HELP = "tool sandbox service: `postrain sandbox serve --port P`; `call` and `log` talk to a running one"
 
 
 def add_arguments(p):
@@ -19,8 +19,63 @@ def add_arguments(p):
     s.add_argument("--max-queued", type=int, default=None, help="calls waiting for a slot before RESOURCE_EXHAUSTED (default 64)")
     s.add_argument("--wall-s", type=float, default=None, help="wall clock of one execution in seconds (default 5)")
 
+    def client_args(c):
+        c.add_argument("--target", default="127.0.0.1:50561", help="host:port of the service")
+        c.add_argument("--token", default=None, help="shared secret (default: $POSTRAIN_SANDBOX_TOKEN, else LOG_DIR/token)")
+        c.add_argument("--log-dir", default="runs/sandbox", help="where to find the token file (default runs/sandbox)")
+        c.add_argument("--sandbox", required=True, help="sandbox id (one per trajectory)")
+
+    c = sub.add_parser("call", help="run (or replay) one tool call and print its result as JSON")
+    client_args(c)
+    c.add_argument("--seq", type=int, default=None, help="call number (default: the sandbox's next)")
+    c.add_argument("tool", help="calc, python or counter")
+    c.add_argument("args", help="the tool's input, e.g. '37*41'")
+    g = sub.add_parser("log", help="print a sandbox's recorded calls and results (fast-forward view) as JSON lines")
+    client_args(g)
+
+
+def _client_run(args) -> int:
+    import json
+    import os
+    from pathlib import Path
+
+    from deploy.errors import UserError
+
+    from rewards.sandbox.client import SandboxClient, SandboxRefused
+    from rewards.sandbox.server import TOKEN_ENV, TOKEN_FILE
+
+    token = args.token or os.environ.get(TOKEN_ENV)
+    path = Path(args.log_dir) / TOKEN_FILE
+    if not token and path.exists():
+        token = path.read_text().strip()
+    if not token:
+        raise UserError(f"no sandbox token: pass --token, set ${TOKEN_ENV}, or point --log-dir at the service's state dir")
+    with SandboxClient(args.target, token, timeout_s=60, retries=2) as client:
+        try:
+            if args.sandbox_verb == "log":
+                entries, nxt = client.entries(args.sandbox)
+                for e in entries:
+                    row = {"seq": e.seq, "tool": e.call.tool, "args": e.call.args, "in_flight": e.in_flight,
+                           "result": None if e.result is None else _result_json(e.result.result)}
+                    print(json.dumps(row))
+                print(json.dumps({"next_seq": nxt}))
+                return 0
+            seq = args.seq if args.seq is not None else client.entries(args.sandbox)[1]
+            res = client.execute(args.sandbox, seq, args.tool, args.args)
+        except SandboxRefused as exc:
+            raise UserError(f"sandbox refused: {exc}") from None
+    print(json.dumps({"seq": seq, "replayed": res.replayed, **_result_json(res.result)}))
+    return 0 if res.result.ok else 1
+
+
+def _result_json(r) -> dict:
+    return {"ok": r.ok, "output": r.output, "error_kind": r.error_kind, "error": r.error, "exit_code": r.exit_code,
+            "wall_ms": r.wall_ms}
+
 
 def run(args) -> int:
+    if args.sandbox_verb != "serve":
+        return _client_run(args)
     import signal
     import sys
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -34,3 +35,29 @@ def test_bench_sandbox_smoke(capsys):
         assert set(t) == {"value", "goal", "met"} and isinstance(t["met"], bool)
     assert out["sandbox_8_clients"]["calls"] == 8 and out["plain_subprocess_1_client"]["calls"] == 4
     assert out["targets"]["calls_per_s_8_clients"]["value"] == out["sandbox_8_clients"]["calls_per_s"]
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
+def test_call_and_log_subverbs(tmp_path):
+    from rewards.sandbox.launch import ServerProcess
+
+    srv = ServerProcess(tmp_path / "svc", "cli-token")
+    try:
+        def cli(*argv):
+            return subprocess.run([sys.executable, "-m", "deploy.cli", "sandbox", *argv, "--target", srv.target,
+                                   "--sandbox", "cli"], capture_output=True, text=True, timeout=60,
+                                  env={**os.environ, "POSTRAIN_SANDBOX_TOKEN": "cli-token"})
+
+        first = cli("call", "calc", "37*41")
+        assert first.returncode == 0, first.stderr
+        assert json.loads(first.stdout) | {"wall_ms": 0} == {"seq": 0, "replayed": False, "ok": True, "output": "1517",
+                                                             "error_kind": "", "error": "", "exit_code": 0, "wall_ms": 0}
+        again = cli("call", "--seq", "0", "calc", "37*41")
+        assert json.loads(again.stdout)["replayed"] is True
+        clash = cli("call", "--seq", "0", "calc", "1+1")
+        assert clash.returncode == 2 and "FAILED_PRECONDITION" in clash.stderr and len(clash.stderr.splitlines()) == 1
+        log = cli("log")
+        rows = [json.loads(line) for line in log.stdout.splitlines()]
+        assert rows[0]["args"] == "37*41" and rows[0]["result"]["output"] == "1517" and rows[-1] == {"next_seq": 1}
+    finally:
+        srv.kill()
