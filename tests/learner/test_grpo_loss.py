@@ -204,3 +204,25 @@ def test_fused_head_without_entropy_and_frozen_weight():
     assert ent is None
     (lp * up).sum().backward()
     torch.testing.assert_close(hidden.grad, expected)
+
+
+def test_fused_head_under_autocast_matches_fp64():
+    """With autocast on, the chunk matmuls run in bf16 (forward and the recomputation in the backward),
+    results stay fp32, and gradients come back in the inputs' dtypes."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(30, 16, generator=g, dtype=torch.float32, requires_grad=True)
+    weight = (0.3 * torch.randn(64, 16, generator=g, dtype=torch.float32)).requires_grad_()
+    labels = torch.randint(0, 64, (30,), generator=g)
+    exp_lp, exp_ent = reference_logprobs(hidden.double() @ weight.double().t(), labels)
+    (exp_lp.sum() + exp_ent.sum()).backward()
+    exp_gh, exp_gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = logprobs_from_hidden(hidden, weight, labels, chunk_rows=8, with_entropy=True)
+    assert lp.dtype == ent.dtype == torch.float32
+    (lp.sum() + ent.sum()).backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lp.double(), exp_lp, rtol=0.02, atol=0.05)
+    assert (lp.double() - exp_lp).abs().max() > 1e-5  # bf16 was used, not fp32
+    torch.testing.assert_close(hidden.grad.double(), exp_gh.double(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(weight.grad.double(), exp_gw.double(), rtol=0.05, atol=0.05)
