@@ -99,15 +99,21 @@ class DataPlane:
                                  store_root=self.store.root)
 
     def check_plan(self, plan: Plan) -> None:
-        """Raise StaleRowError if trajectories of the plan were deleted from the catalog since."""
-        ids = [str(i) for i in plan.ids]
-        found = self.catalog.existing_ids(ids)
-        if len(found) != len(ids):
-            gone = [i for i, t in enumerate(ids) if t not in found][:3]
-            named = ", ".join(f"{ids[i]!r} (shard file {self.store.full_path(plan.shard_paths[plan.shard[i]])}, "
-                              f"row {int(plan.row[i])})" for i in gone)
-            raise StaleRowError(f"{len(ids) - len(found)} trajectories of the plan are no longer in the catalog, "
-                                f"e.g. {named}; re-plan")
+        """Raise StaleRowError if trajectories of the plan were deleted from the catalog since (one
+        range query on catalog keys, however long the plan)."""
+        if not plan.seq.size:
+            return
+        seq, ids = self.catalog.ids_between(int(plan.seq.min()), int(plan.seq.max()))
+        order = np.argsort(seq)
+        seq, ids = seq[order], ids[order]
+        at = np.minimum(np.searchsorted(seq, plan.seq), max(seq.size - 1, 0))
+        ok = (seq[at] == plan.seq) & (ids[at] == plan.ids.astype(object)) if seq.size else np.zeros(plan.seq.size, bool)
+        if not ok.all():
+            gone = np.flatnonzero(~ok)
+            named = ", ".join(f"{str(plan.ids[i])!r} (shard file {self.store.full_path(plan.shard_paths[plan.shard[i]])}, "
+                              f"row {int(plan.row[i])})" for i in gone[:3])
+            raise StaleRowError(f"{gone.size} trajectories of the plan are no longer in the catalog, e.g. {named}; "
+                                "re-plan")
 
     def loader(self, plan: Plan, rank: int = 0, prefetch: int = 1, verify: bool = True, extras=(),
                check: bool = True, minibatches=None) -> Loader:

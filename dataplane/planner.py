@@ -84,7 +84,7 @@ def make_plan(sel: Selection, tokens_per_rank: int, ranks: int = 1, seed: int = 
                  group=sel.group if group_aware else None, teacher=sel.teacher if by_teacher else None)
     return Plan(store_root=store_root, tokens_per_rank=int(tokens_per_rank), ranks=int(ranks), seed=int(seed),
                 epoch=int(epoch), group_aware=bool(group_aware), by_teacher=bool(by_teacher),
-                ids=sel.ids, length=sel.length, group=sel.group, teacher=sel.teacher, reward=sel.reward,
+                ids=sel.ids, seq=sel.seq, length=sel.length, group=sel.group, teacher=sel.teacher, reward=sel.reward,
                 shard=sel.shard, row=sel.row, checksum=sel.checksum, shard_paths=list(sel.shard_paths),
                 teachers=list(sel.teachers), seg_traj=lay.traj, seg_start=lay.start, seg_stop=lay.stop,
                 bin_offsets=lay.bin_offsets, balanced=lay.balanced)

@@ -70,7 +70,7 @@ class Selection:
 
 
 _PLAN_ARRAYS = {  # name -> dtype of the plan's numpy arrays (for the JSON round trip)
-    "ids": str, "length": np.int64, "group": np.int64, "teacher": np.int64, "reward": np.float64,
+    "ids": str, "seq": np.int64, "length": np.int64, "group": np.int64, "teacher": np.int64, "reward": np.float64,
     "shard": np.int64, "row": np.int64, "checksum": np.uint32,
     "seg_traj": np.int64, "seg_start": np.int64, "seg_stop": np.int64, "bin_offsets": np.int64,
     "balanced": np.bool_,
@@ -92,6 +92,7 @@ class Plan:
     by_teacher: bool
     # per trajectory
     ids: np.ndarray
+    seq: np.ndarray  # catalog keys, to check cheaply that the trajectories are still there
     length: np.ndarray
     group: np.ndarray
     teacher: np.ndarray

@@ -157,3 +157,12 @@ def test_plans_a_million_trajectories_in_under_two_seconds():
         planner.layout(length, 65536, 8, seed=0, group=group)
         best = min(best, time.perf_counter() - t)
     assert best < 2.0, best
+
+
+def test_unsorted_group_codes_still_move_as_units():
+    rng = np.random.default_rng(2)
+    group = rng.permutation(np.arange(300) // 6)  # members scattered through the input
+    lay = planner.layout(np.full(300, 5), 10_000, 1, seed=1, group=group)
+    g = group[lay.traj]
+    changes = np.flatnonzero(g[1:] != g[:-1]) + 1
+    assert np.all(np.diff(np.concatenate([[0], changes, [300]])) == 6)
