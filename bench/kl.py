@@ -158,13 +158,13 @@ def _liger_fn():
 FUSED = dict(variant="fused", BLOCK_M=128, BLOCK_V=128, BLOCK_K=64, num_warps=8, num_stages=4)
 STATS = dict(variant="cublas", BLOCK_M=8, BLOCK_V=1024, num_warps=8)
 TUNE_CANDIDATES = [
-    dict(FUSED, chunk_tokens=1024),
-    dict(STATS, chunk_tokens=1024),
+    dict(FUSED, chunk_tokens=1024, grad_group=1),
+    dict(STATS, chunk_tokens=1024, grad_group=1),
     dict(STATS, chunk_tokens=1024, overlap=True),
-    dict(STATS, BLOCK_M=4, BLOCK_V=2048, num_warps=4, chunk_tokens=1024),
-    dict(STATS, BLOCK_M=16, BLOCK_V=1024, num_warps=8, chunk_tokens=1024),
-    dict(STATS, BLOCK_M=8, BLOCK_V=1024, num_warps=4, EW_BLOCK=4096, chunk_tokens=1024),
-    dict(STATS, BLOCK_M=2, BLOCK_V=4096, num_warps=8, EW_BLOCK=1024, chunk_tokens=1024),
+    dict(STATS, chunk_tokens=1024, grad_group=2),
+    dict(STATS, chunk_tokens=1024, grad_group=4),
+    dict(STATS, BLOCK_M=2, BLOCK_V=4096, EW_BLOCK=1024, chunk_tokens=1024, grad_group=1),
+    dict(STATS, BLOCK_M=8, BLOCK_V=1024, num_warps=4, EW_BLOCK=4096, chunk_tokens=1024, grad_group=2),
 ]
 TIMING_KEYS = ("ms", "ms_min", "peak_extra_gib", "reps")
 

@@ -180,9 +180,10 @@ def default_config(dtype: torch.dtype, device: torch.device) -> dict:
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3, EW_BLOCK=2048, variant="fused")
     # Measured on an H200 (bench/results/kl.json): cuBLAS logits GEMMs + Triton statistics beat the
-    # fused Triton dual GEMM; BLOCK_M / BLOCK_V here are the statistics tiles.
-    return dict(BLOCK_M=8, BLOCK_V=1024, BLOCK_K=64, num_warps=8, num_stages=4, EW_BLOCK=2048, variant="cublas",
-                chunk_tokens=1024)
+    # fused Triton dual GEMM; BLOCK_M / BLOCK_V here are the statistics tiles. grad_group=2: the
+    # gradient GEMMs run once per two chunks (K = 2048 for dW: half the read-add-write passes over dW).
+    return dict(BLOCK_M=2, BLOCK_V=4096, BLOCK_K=64, num_warps=8, num_stages=4, EW_BLOCK=1024, variant="cublas",
+                chunk_tokens=1024, grad_group=2)
 
 
 def default_chunk_tokens(vocab_size: int, block_m: int, chunk_bytes: int = CHUNK_BYTES_DEFAULT) -> int:
@@ -209,11 +210,13 @@ def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool
                        chunk_tokens or cfg.get("chunk_tokens") or default_chunk_tokens(W_s.shape[0], cfg["BLOCK_M"]))
     starts = range(0, h_s.shape[0], run.C)
     if not (cfg.get("overlap") and not run.fused and h_s.is_cuda):
-        for t0 in starts:
+        P = run.group  # chunks whose dlogits share one pair of gradient GEMMs
+        for i, t0 in enumerate(starts):
             hs_c, zs, zt = run.logits(t0)
-            dl = run.stats_and_dlogits(t0, zs, zt)
-            run.grads(t0, dl, hs_c)
+            run.stats_and_dlogits(t0, zs, zt, slot=i % P)
             zs = zt = None  # "cublas" allocates each chunk's logits: free these before the next ones
+            if i % P == P - 1 or t0 + run.C >= h_s.shape[0]:
+                run.group_grads(t0 - (i % P) * run.C, filled=i % P + 1)
         return run.result()
     # Two streams: the memory-bound statistics / dlogits of chunk i run beside the compute-bound GEMMs
     # of chunk i+1 (and the gradient GEMMs of chunk i-1). Same kernels, same shapes, same order per
@@ -244,6 +247,7 @@ class _ChunkRunner:
     def __init__(self, h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, cfg, C):
         self.h_s, self.W_s, self.h_t, self.W_t, self.coef_N = h_s, W_s, h_t, W_t, coef_N
         self.need_grad, self.cfg, self.C = need_grad, cfg, C
+        self.group = 1 if cfg.get("overlap") else int(cfg.get("grad_group", 1))
         N, HS = h_s.shape
         V, dev = W_s.shape[0], h_s.device
         self.inv_T = 1.0 / float(temperature)
@@ -261,15 +265,16 @@ class _ChunkRunner:
         if need_grad:
             # fp16 cannot hold dlogits (~c / V: subnormal): keep them and the dW sum in float32 for fp16
             self.dl_dtype = torch.float32 if h_s.dtype == torch.float16 else h_s.dtype
-            self.dl = None if cfg.get("overlap") else torch.empty(C, V, dtype=self.dl_dtype, device=dev)
+            self.dl = None if cfg.get("overlap") else torch.empty(self.group * C, V, dtype=self.dl_dtype, device=dev)
             self.dh = torch.empty(N, HS, dtype=h_s.dtype, device=dev)
             dW_dtype = torch.float32 if self.dl_dtype != W_s.dtype else W_s.dtype
             self.dW = torch.empty(V, HS, dtype=dW_dtype, device=dev)
 
-    def _rows(self, x, t0):
-        rows = x[t0:t0 + self.C]
-        if rows.shape[0] < self.C:  # pad the last chunk: every launch has the same shape
-            rows = torch.cat([rows, rows.new_zeros(self.C - rows.shape[0], x.shape[1])])
+    def _rows(self, x, t0, count=None):
+        count = count or self.C
+        rows = x[t0:t0 + count]
+        if rows.shape[0] < count:  # pad the last chunk: every launch has the same shape
+            rows = torch.cat([rows, rows.new_zeros(count - rows.shape[0], x.shape[1])])
         return rows
 
     def logits(self, t0):
@@ -290,7 +295,7 @@ class _ChunkRunner:
             PRECISION=precision, DOT_F32=self.interpreted, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         return hs_c, self.zs, self.zt
 
-    def stats_and_dlogits(self, t0, zs, zt):
+    def stats_and_dlogits(self, t0, zs, zt, slot: int = 0):
         """Per-token lse, E_p[a - b] and KL; dlogits [C, V] when gradients are wanted."""
         cfg, C, st, V = self.cfg, self.C, self.stats, self.W_s.shape[0]
         n = min(C, self.kl_N.shape[0] - t0)
@@ -305,11 +310,26 @@ class _ChunkRunner:
             return None
         self.coef_C.zero_()
         self.coef_C[:n] = self.coef_N[t0:t0 + n] * self.inv_T
-        dl = self.dl if self.dl is not None else torch.empty(C, V, dtype=self.dl_dtype, device=zs.device)
+        if self.dl is not None:
+            dl = self.dl[slot * C:(slot + 1) * C]
+        else:
+            dl = torch.empty(C, V, dtype=self.dl_dtype, device=zs.device)
         _dlogits_kernel[(C, triton.cdiv(V, cfg["EW_BLOCK"]))](
             zs, zt, dl, self.lse_C, self.mean_C, self.coef_C, V, zs.stride(0), dl.stride(0), self.inv_T,
             BLOCK=cfg["EW_BLOCK"], num_warps=4 if self.interpreted else 8)
         return dl
+
+    def group_grads(self, t_first, filled: int):
+        """Gradient GEMMs over the `group` chunks starting at token t_first (always group * C rows:
+        slots no chunk filled are zeroed, so every launch has the same shape)."""
+        if not self.need_grad:
+            return
+        rows = self.group * self.C
+        if filled < self.group:
+            self.dl[filled * self.C:].zero_()
+        n = min(rows, self.kl_N.shape[0] - t_first)  # the valid rows are a prefix of the group
+        _grad_gemms(self.dl, self.W_s, self._rows(self.h_s, t_first, rows), self.dh[t_first:t_first + n], self.dW,
+                    first=t_first == 0)
 
     def grads(self, t0, dl, hs_c):
         if self.need_grad:
