@@ -1,22 +1,28 @@
-"""Fused Triton reverse KL (CUDA; runs on CPU under TRITON_INTERPRET=1 for tests).
+"""Triton reverse KL (CUDA; runs on CPU under TRITON_INTERPRET=1 for tests).
 
-Per chunk of C tokens (C fixed by V, never by N; the last chunk is zero-padded, so every launch has
-the same shape and a token's result does not depend on the rest of the batch):
+Per chunk of C tokens (C fixed by the launch configuration, never by N; the last chunk is
+zero-padded, so every launch has the same shape and a token's result does not depend on the rest of
+the batch):
 
-1. `_logits_stats_kernel`: one program per [BLOCK_M, BLOCK_V] tile computes the student and the
-   teacher logit tiles with tensor-core dots (fp32 accumulators), stores them as float32 into the
-   bounded chunk buffers z_s, z_t [C, V], and writes the tile's softmax statistics for both
-   distributions (max, sum of exp, and sum of exp * (a - b)) into a small [5, C, V/BLOCK_V] buffer.
-   Programs walk the M blocks of one vocab block back to back, so each W tile is read from HBM once.
-   (variant "cublas": the two logit GEMMs run in cuBLAS with float32 output and
-   `_tile_stats_kernel` reads them back for the same statistics.)
+1. float32 logits z_s, z_t [C, V] and per-tile softmax statistics (max, sum of exp, and
+   sum of exp * (a - b) for the student; max and sum of exp for the teacher) in a small
+   [5, C, V/BLOCK_V] buffer. Two variants:
+   - "fused": `_logits_stats_kernel`, one program per [BLOCK_M, BLOCK_V] tile computes both logit
+     tiles with tensor-core dots (fp32 accumulators), stores them and the tile statistics; programs
+     walk the M blocks of one vocab block back to back so each W tile is read from HBM once.
+   - "cublas" (default for bf16/fp16 on CUDA: faster on an H200, see bench/results/kl.json): the two
+     logit GEMMs run in cuBLAS with float32 output (`torch.mm(..., out_dtype=torch.float32)`, never
+     rounded to bf16), and `_tile_stats_kernel` reads them back for the same statistics.
 2. `_row_reduce_kernel`: combines the tile statistics in a fixed order into lse(a), E_p[a - b] and
    KL per token (online-softmax rescaling).
-3. `_dlogits_kernel`: dlogits_s = c_i / T * p_s * ((a - b) - E_p[a - b]), written in the student's
-   dtype into a [C, V] buffer.
-4. dh_s = dlogits @ W_s and dW_s += dlogits.T @ h_s (cuBLAS, fixed shapes, no atomics: deterministic).
+3. `_dlogits_kernel`: dlogits_s = c_i / T * p_s * ((a - b) - E_p[a - b]), in the student's dtype
+   (float32 for fp16, whose range cannot hold them), into a [grad_group * C, V] buffer.
+4. Once per `grad_group` chunks: dh_s = dlogits @ W_s and dW_s += dlogits.T @ h_s (cuBLAS, fixed
+   shapes, no atomics, fixed order: deterministic).
 
-Nothing of size [N, V] exists in HBM: the buffers hold C rows. Logits stay in float32 throughout.
+Nothing of size [N, V] exists in HBM: the buffers hold C (logits) and grad_group * C (dlogits) rows.
+Optional `overlap`: the statistics / dlogits of a chunk run on a second stream beside the GEMMs
+(bit-identical results; measured no faster on an H200).
 """
 from __future__ import annotations
 
