@@ -115,6 +115,7 @@ class LearnerGroup:
         self.cfg = cfg
         self.ranks = cfg.learner.ranks
         self.actors = []
+        self.broken = False  # a rank died: the rest cannot leave their collective, only be killed
         self.local: LearnerWorker | None = None
         if self.ranks == 1:
             self.local = LearnerWorker(cfg, policy, dtype=dtype)
@@ -137,7 +138,17 @@ class LearnerGroup:
         import ray
 
         refs = [getattr(a, method).remote(*(per_rank_args[r] if per_rank_args else ())) for r, a in enumerate(self.actors)]
-        return ray.get(refs)
+        try:
+            pending = list(refs)
+            while pending:  # fail on the first dead rank; the live ones are stuck in a collective
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as exc:
+            self.broken = True
+            # A lost rank leaves the others inside a collective: the group cannot continue.
+            raise RuntimeError(f"a learner rank died during {method} ({type(exc).__name__}); close this group "
+                               "and start a new one from the latest checkpoint") from exc
 
     def train_step(self, per_rank: list[list[PackedBatch]]) -> dict[str, float]:
         """One optimizer step; `per_rank[r]` are rank r's micro-batches. Returns the global metrics."""
@@ -172,7 +183,11 @@ class LearnerGroup:
             return
         import ray
 
-        ray.get([a.close.remote() for a in self.actors])
+        if not self.broken:
+            try:
+                ray.get([a.close.remote() for a in self.actors], timeout=30)
+            except (ray.exceptions.RayError, TimeoutError):
+                pass  # a dead or stuck rank: killing below is all that is left
         for a in self.actors:
             ray.kill(a)
         self.actors = []

@@ -52,11 +52,13 @@ class PackedBatch:
     seq_loss_tokens_S: torch.Tensor | None = None  # whole-trajectory loss tokens when a sequence is a piece
 
     @classmethod
-    def from_dataplane(cls, batch, advantages: dict[str, float],
-                       versions_field: str = "policy_version") -> "PackedBatch | None":
+    def from_dataplane(cls, batch, advantages: dict[str, float], versions_field: str = "policy_version",
+                       trajectory_versions: dict[str, int] | None = None) -> "PackedBatch | None":
         """One rank's minibatch from the data plane's loader (`dataplane.Batch`), with each trajectory's
         advantage looked up by id (computed over whole groups, from the selection's metadata). Per-token
-        policy versions come from the extra field `versions_field` when the loader was asked for it.
+        policy versions come from the extra field `versions_field` when the loader was asked for it;
+        else from `trajectory_versions` (e.g. the selection's `policy_min`: every token counted as old as
+        the trajectory's oldest, the conservative side of the staleness bound); else none.
         None for a rank with no segment in this minibatch.
 
         A trajectory cut into pieces cannot be trained on here: a later piece's log-probs need the
@@ -77,6 +79,9 @@ class PackedBatch:
              "loss_mask": batch.loss_mask, "behaviour_logprobs": batch.logprobs, "advantages": adv_S}
         if versions_field in batch.extras:
             d["token_versions"] = batch.extras[versions_field]
+        elif trajectory_versions is not None:
+            v_S = torch.tensor([trajectory_versions[t] for t in batch.traj_ids], dtype=torch.long)
+            d["token_versions"] = torch.repeat_interleave(v_S, torch.as_tensor(batch.cu_seqlens).diff().long())
         return cls.from_dict(d)
 
     @classmethod
@@ -288,7 +293,9 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        metrics.update(lr=self.scheduler.get_last_lr()[0], step=self.step, step_time_s=time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        metrics.update(lr=self.scheduler.get_last_lr()[0], step=self.step, step_time_s=elapsed,
+                       tokens_per_s=metrics["tokens"] / elapsed)
         return metrics
 
     def accumulate_gradients(self, micro_batches: list[PackedBatch]) -> dict[str, float]:

@@ -32,7 +32,7 @@ def run(group: LearnerGroup, steps: range) -> list[dict]:
     for i in steps:
         group.set_policy_version(i)
         m = group.train_step([BATCHES[i].split(16)])
-        m.pop("step_time_s")
+        m.pop("step_time_s"), m.pop("tokens_per_s")
         m["draw"] = torch.rand(2).tolist()  # the process RNG must resume where it was
         out.append(m)
     return out

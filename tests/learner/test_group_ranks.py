@@ -63,3 +63,13 @@ def test_one_vs_two_ranks_same_update(ray_local):
             for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl_ref", "loss_tokens", "seqs", "tokens"):
                 assert b[key] == pytest.approx(a[key], rel=1e-8, abs=1e-12), (agg, key)
         assert any(w1[k].ne(w0).any() for k, w0 in first_weights.items())  # the steps moved the weights
+
+
+def test_dead_rank_fails_fast_with_a_clear_error(ray_local):
+    group = LearnerGroup(config(2, "token-mean"), TINY)
+    batch = synthetic_packed_batch(VOCAB, [9, 12], seed=0)
+    group.train_step([[batch], [batch]])
+    ray.kill(group.actors[1])
+    with pytest.raises(RuntimeError, match="learner rank died"):
+        group.train_step([[batch], [batch]])
+    group.close()

@@ -28,7 +28,7 @@ def records(vocab: int, n_groups=3, per_group=4, seed=0):
                 id=f"t{g}-{k}", run="r", domain="arith", prompt=f"p{g}", group_id=f"g{g}",
                 tokens=rng.integers(0, vocab, length), loss_mask=mask,
                 logprobs=(-rng.random(length) * 3).astype(np.float32), reward=float(rng.integers(0, 2)),
-                policy_min=0, policy_max=0))
+                policy_min=g, policy_max=g + 1))
     return out
 
 
@@ -62,6 +62,13 @@ def test_loader_batches_train(tmp_path):
     m = learner.train_step(per_rank[0] + per_rank[1])
     assert m["seqs"] == sum(1 for r in recs if r.loss_mask.any()) and np.isfinite(m["loss"])
     assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+    # Trajectory-level versions (the selection's oldest) bound staleness when tokens carry none.
+    oldest = dict(zip(map(str, sel.ids), sel.policy_min.tolist()))
+    b = next(b for b in dp.loader(plan, rank=0) if b.num_tokens)
+    pb = PackedBatch.from_dataplane(b, advantages, trajectory_versions=oldest)
+    for s, tid in enumerate(b.traj_ids):
+        assert (pb.select(s, s + 1).token_versions_N == int(tid[1])).all()  # t{group}-k: policy_min = group
 
     # A plan that cuts trajectories is refused with the trajectory named.
     cut = dp.plan(sel, tokens_per_rank=16, ranks=1, seed=0)
