@@ -196,7 +196,7 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
     len_range = (256, 4096) if cuda else (16, 256)
     # No entropy pass: the naive step computes none either.
     cfg = GRPOConfig.model_validate({"learner": {"device": device_kind, "bf16": cuda, "logprob_chunk_rows": 4096,
-                                                 "entropy_metric": False},
+                                                 "entropy_metric": False, "micro_batch_tokens": max(packs)},
                                      "optim": {"lr": 1e-6, "grad_clip": 1.0}})
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)

@@ -303,7 +303,11 @@ class Learner:
         `.grad` and returns the step's metrics, token-weighted over all micro-batches and ranks."""
         if not micro_batches:  # a rank with no data this step still joins the gradient all-reduce
             micro_batches = [idle_batch()]
-        mbs, stale = self._bound_staleness([mb.validate().to(self.device) for mb in micro_batches])
+        # Anything over the micro-batch budget is cut at sequence boundaries (global normalisers make
+        # the update independent of the cut).
+        budget = self.cfg.learner.micro_batch_tokens
+        pieces = [piece for mb in micro_batches for piece in mb.validate().split(budget)]
+        mbs, stale = self._bound_staleness([mb.to(self.device) for mb in pieces])
         counts = torch.zeros(2, dtype=torch.float64)
         for mb in mbs:
             mask_N = mb.loss_mask_N.double()
@@ -348,7 +352,7 @@ class Learner:
         w = max(float(red[-2]), 1.0)
         metrics = {k: float(red[i]) / w for i, k in enumerate(keys)}
         metrics.update(loss=float(red[len(keys)]), loss_tokens=total_tokens, seqs=total_seqs,
-                       tokens=float(red[-1]), **stale)
+                       tokens=float(red[-1]), micro_batches=float(len(mbs)), **stale)
         return metrics
 
     def _seq_loss_tokens(self, mb: PackedBatch) -> torch.Tensor:

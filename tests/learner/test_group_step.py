@@ -110,6 +110,7 @@ def test_micro_batches_with_accumulation_equal_one_batch(aggregation):
         metrics = [learner.train_step(b.split(budget)) for b in batches]
         results.append((model.state_dict(), metrics, len(batches[0].split(budget))))
     assert [r[2] for r in results] == [1, 3, 6]
+    assert [r[1][0]["micro_batches"] for r in results] == [1, 3, 6]
     w0, m0, _ = results[0]
     for w, m, _ in results[1:]:
         for k in w0:
@@ -170,3 +171,16 @@ def test_activation_checkpointing_and_entropy_switch_keep_the_gradient():
     for name in g0:
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-10, atol=1e-13, msg=name)
     assert "entropy" in m0 and "entropy" not in m1
+
+
+def test_micro_batch_budget_cuts_oversized_batches():
+    model, vocab = tiny_model()
+    batch = synthetic_packed_batch(vocab, LENGTHS, seed=8)
+    got = []
+    for budget in (4096, 20):
+        m = copy.deepcopy(model)
+        metrics = Learner(m, config(learner={"micro_batch_tokens": budget})).accumulate_gradients([batch])
+        got.append((grads(m), metrics["micro_batches"]))
+    assert [g[1] for g in got] == [1, len(batch.split(20))] and got[1][1] > 2
+    for name in got[0][0]:
+        torch.testing.assert_close(got[1][0][name], got[0][0][name], rtol=1e-10, atol=1e-13, msg=name)
