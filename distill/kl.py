@@ -71,6 +71,9 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
 def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, backend, chunk_tokens=None,
                  triton_config=None):
     """Dispatch to a backend: (kl_N float32, grad_h_s | None, grad_W_s | None) of sum_i coef_i KL_i."""
+    if h_s.shape[0] == 0:  # no tokens: zero loss, zero gradients
+        kl_N = torch.zeros(0, dtype=torch.float32, device=h_s.device)
+        return (kl_N, torch.zeros_like(h_s), torch.zeros_like(W_s)) if need_grad else (kl_N, None, None)
     if backend == "triton":
         from distill import kl_triton
 

@@ -215,7 +215,7 @@ def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool
     run = _ChunkRunner(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, cfg,
                        chunk_tokens or cfg.get("chunk_tokens") or default_chunk_tokens(W_s.shape[0], cfg["BLOCK_M"]))
     starts = range(0, h_s.shape[0], run.C)
-    if not (cfg.get("overlap") and not run.fused and h_s.is_cuda):
+    if not run.overlap:
         P = run.group  # chunks whose dlogits share one pair of gradient GEMMs
         for i, t0 in enumerate(starts):
             hs_c, zs, zt = run.logits(t0)
@@ -253,12 +253,13 @@ class _ChunkRunner:
     def __init__(self, h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, cfg, C):
         self.h_s, self.W_s, self.h_t, self.W_t, self.coef_N = h_s, W_s, h_t, W_t, coef_N
         self.need_grad, self.cfg, self.C = need_grad, cfg, C
-        self.group = 1 if cfg.get("overlap") else int(cfg.get("grad_group", 1))
         N, HS = h_s.shape
         V, dev = W_s.shape[0], h_s.device
         self.inv_T = 1.0 / float(temperature)
         self.interpreted = dev.type != "cuda"
         self.fused = cfg["variant"] == "fused"
+        self.overlap = bool(cfg.get("overlap")) and not self.fused and dev.type == "cuda"
+        self.group = 1 if self.overlap else int(cfg.get("grad_group", 1))
         self.nvb = triton.cdiv(V, cfg["BLOCK_V"])
         f32 = dict(dtype=torch.float32, device=dev)
         self.stats = torch.empty(N_STATS, C, self.nvb, **f32)
@@ -271,7 +272,7 @@ class _ChunkRunner:
         if need_grad:
             # fp16 cannot hold dlogits (~c / V: subnormal): keep them and the dW sum in float32 for fp16
             self.dl_dtype = torch.float32 if h_s.dtype == torch.float16 else h_s.dtype
-            self.dl = None if cfg.get("overlap") else torch.empty(self.group * C, V, dtype=self.dl_dtype, device=dev)
+            self.dl = None if self.overlap else torch.empty(self.group * C, V, dtype=self.dl_dtype, device=dev)
             self.dh = torch.empty(N, HS, dtype=h_s.dtype, device=dev)
             dW_dtype = torch.float32 if self.dl_dtype != W_s.dtype else W_s.dtype
             self.dW = torch.empty(V, HS, dtype=dW_dtype, device=dev)

@@ -62,6 +62,12 @@ def test_all_masked_gives_zero_loss_and_zero_gradients():
     assert loss.item() == 0.0 and not gh.any() and not gW.any()
 
 
+def test_no_tokens_gives_zero_loss_and_zero_gradients():
+    h_s, W_s, h_t, W_t = make_inputs(0, 1031, 8, 8, seed=5)
+    loss, gh, gW = _ours(h_s, W_s, h_t, W_t)
+    assert loss.item() == 0.0 and gh.shape == (0, 8) and gW.shape == W_s.shape and not gW.any()
+
+
 def test_upstream_gradient_scales_and_teacher_gets_none():
     h_s, W_s, h_t, W_t = make_inputs(6, 1031, 8, 8, seed=6)
     _, gh, gW = _ours(h_s, W_s, h_t, W_t)
