@@ -14,6 +14,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import re
 import shutil
 import signal
@@ -194,7 +195,15 @@ class ClientPool:
         start_at = time.time() + 1.0  # every client starts at the same moment
         for k in range(n):
             self.commands[k].put((b, start_at, seconds))
-        got = [self.results.get(timeout=seconds + 300) for _ in range(n)]
+        got = []
+        deadline = time.monotonic() + seconds + 300
+        while len(got) < n:
+            try:
+                got.append(self.results.get(timeout=1.0))
+            except queue.Empty:
+                dead = [k for k, p in enumerate(self.procs[:n]) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"gRPC benchmark clients {dead or 'all'} died or hung") from None
         return sum(steps for _, steps, _ in got) * b / max(dt for _, _, dt in got)
 
     def close(self) -> None:
