@@ -129,6 +129,10 @@ class PackedBatch:
         cu = self.cu_seqlens_S1
         if len(cu) < 2 or cu[0] != 0 or cu[-1] != n or (cu.diff() <= 0).any():
             raise ValueError(f"packed batch: cu_seqlens {cu.tolist()[:8]}... must rise strictly from 0 to {n}")
+        expected_pos_N = torch.arange(n, device=cu.device) - cu[:-1].repeat_interleave(cu.diff())
+        if not torch.equal(self.position_ids_N, expected_pos_N.to(self.position_ids_N.device)):
+            # Attention keeps sequences apart by their position ids; they must agree with cu_seqlens.
+            raise ValueError("packed batch: position_ids must run 0, 1, ... inside each sequence of cu_seqlens")
         if self.loss_mask_N[cu[:-1]].any():
             raise ValueError("packed batch: the first token of a sequence has no context and cannot be a loss token")
         if self.seq_loss_tokens_S is not None and len(self.seq_loss_tokens_S) != len(cu) - 1:

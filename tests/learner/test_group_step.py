@@ -155,6 +155,8 @@ def test_packed_batch_from_loader_dict_and_bad_input():
     bad = dict(d, loss_mask=torch.ones_like(b.loss_mask_N))
     with pytest.raises(ValueError, match="first token"):
         PackedBatch.from_dict(bad)
+    with pytest.raises(ValueError, match="position_ids"):
+        PackedBatch.from_dict(dict(d, advantages=b.advantages_N, cu_seqlens=torch.tensor([0, 4, 15])))  # 3 by positions
     with pytest.raises(ValueError, match="shape"):
         PackedBatch.from_dict(dict(d, logprobs=b.behaviour_logprobs_N[:-1]))
 
