@@ -79,6 +79,9 @@ class LearnerWorker:
     def set_policy_version(self, version: int) -> None:
         self.learner.policy_version = int(version)
 
+    def get_policy_version(self) -> int:
+        return self.learner.policy_version
+
     def weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
 
@@ -160,11 +163,23 @@ class LearnerGroup:
         self._call("set_policy_version", [(version,)] * self.ranks)
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """Rank 0's parameters on the CPU (every rank holds the same after a step)."""
         if self.local is not None:
             return self.local.weights()
         import ray
 
         return ray.get(self.actors[0].weights.remote())
+
+    @property
+    def policy_version(self) -> int:
+        return self._call("get_policy_version")[0]
+
+    def publish(self) -> tuple[dict[str, torch.Tensor], int]:
+        """A new policy version: every rank's version + 1 (the staleness of tokens is counted from it);
+        returns the weights to hand to the rollout pool (`RolloutPool.update_weights(state, version)`)."""
+        version = self.policy_version + 1
+        self.set_policy_version(version)
+        return self.weights(), version
 
     def save_checkpoint(self, root: str | Path, iteration: int) -> Path:
         rngs = self._call("rng_state")
