@@ -169,7 +169,8 @@ def pack(seg_len: np.ndarray, budget: int, ranks: int, group_start: np.ndarray |
     """(bin [n] = minibatch * R + rank, balanced [M]) for a stream of segments of <= budget tokens.
     Minibatches are cut as R next-fit bins of `budget - slack` tokens, leaving the greedy balance room
     to even out ranks without passing `budget` (default slack: budget/16; segments up to `slack` long
-    then never overflow a rank)."""
+    then never overflow a rank). Minibatches the greedy pass would overflow are retried longest-first
+    throughout; the few that still overflow keep their next-fit bins (`balanced` False)."""
     seg_len = np.asarray(seg_len, dtype=np.int64)
     if seg_len.size and int(seg_len.max()) > budget:
         raise ValueError("segments must be split to the budget before packing")
@@ -179,10 +180,17 @@ def pack(seg_len: np.ndarray, budget: int, ranks: int, group_start: np.ndarray |
     nf, mb = minibatch_starts(seg_len, cut_budget, ranks, group_start)
     m_count = mb.shape[0] - 1
     mb_of = np.repeat(np.arange(m_count, dtype=np.int64), np.diff(mb))
-    g_rank, ok = greedy_ranks(seg_len, mb, ranks, budget, large=max(slack, 1))
-    if ok.all():
-        rank = g_rank
-    else:
-        rank = np.where(ok[mb_of], g_rank, next_fit_ranks(nf, mb, ranks))
+    rank, ok = greedy_ranks(seg_len, mb, ranks, budget, large=max(slack, 1))
+    if not ok.all():  # retry those minibatches longest-first throughout (LPT), then keep next-fit bins
+        retry = np.flatnonzero(~ok)
+        counts = np.diff(mb)[retry]
+        members = np.flatnonzero(~ok[mb_of])  # their segments, minibatch by minibatch
+        sub_mb = np.concatenate([[0], np.cumsum(counts)])
+        sub_rank, sub_ok = greedy_ranks(seg_len[members], sub_mb, ranks, budget, large=0)
+        ok[retry] = sub_ok
+        use = sub_ok[np.repeat(np.arange(retry.shape[0]), counts)]
+        rank[members[use]] = sub_rank[use]
+        if not ok.all():
+            rank = np.where(ok[mb_of], rank, next_fit_ranks(nf, mb, ranks))
     bins = mb_of * ranks + rank
     return (relabel(bins, m_count, ranks) if ranks > 1 else bins), ok

@@ -35,6 +35,8 @@ class DataPlane:
         for r in records:
             if not isinstance(r, TrajectoryRecord):
                 raise BadRecordError(f"put expects TrajectoryRecord, got {type(r).__name__}")
+            if not isinstance(r.id, str) or not r.id or "\x00" in r.id:
+                raise BadRecordError(f"trajectory id {r.id!r}: expected a non-empty string without NUL")
             if r.id in seen:
                 raise BadRecordError(f"trajectory {r.id!r} appears twice in one put")
             seen.add(r.id)

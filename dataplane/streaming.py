@@ -113,6 +113,7 @@ class Loader:
         self._specs: dict[str, tuple] = {}
         self._pool = BufferPool(limit=prefetch + 2, capacity=plan.tokens_per_rank)  # a bin never holds more
         self._shards = OpenShards(self.store)
+        self._iota = np.zeros(0, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.minibatches)
@@ -144,7 +145,12 @@ class Loader:
                 dtype, shape, logical[name] = self._extra_spec(name)
                 outs[name] = np.empty((0, *shape), dtype=dtype)
         pos = self._pool.take("position_ids", n_tok, np.int64)
-        if n_tok:  # pos[i] = i - cu[k] + start[k] inside segment k, as a running sum of steps
+        if 0 < traj.size <= 256:  # few segments: one pass each, iota + offset
+            if self._iota.shape[0] < n_tok:
+                self._iota = np.arange(max(n_tok, p.tokens_per_rank), dtype=np.int64)
+            for a, b, lo in zip(cu[:-1].tolist(), cu[1:].tolist(), start.tolist()):
+                np.add(self._iota[:b - a], lo, out=pos[a:b])
+        elif n_tok:  # pos[i] = i - cu[k] + start[k] inside segment k, as a running sum of steps
             shift = start - cu[:-1]
             pos.fill(1)
             pos[0] = shift[0]
@@ -185,13 +191,18 @@ class Loader:
         path = self.store.full_path(rel)
         n_rows = len(id_col)
         bad = np.flatnonzero(rows >= n_rows)
-        if not bad.size:  # the row must still hold the trajectory the plan names
+        if not bad.size:  # the row must still hold the trajectory the plan names: compare all ids at once
             _, id_off, id_data = id_col.buffers()
             id_off = np.frombuffer(id_off, dtype=np.int32)[id_col.offset:]
-            id_data = memoryview(id_data)
-            pairs = zip(id_off[rows].tolist(), id_off[rows + 1].tolist(), tids.tolist())
-            bad = np.asarray([i for i, (lo, hi, tid) in enumerate(pairs) if id_data[lo:hi] != tid.encode()],
-                             dtype=np.int64)
+            id_u8 = np.frombuffer(id_data, dtype=np.uint8)
+            lo, hi = id_off[rows].astype(np.int64), id_off[rows + 1].astype(np.int64)
+            want = "\x00".join(tids.tolist()).encode()
+            got_len = hi - lo
+            idx = np.arange(int(got_len.sum()), dtype=np.int64) + np.repeat(lo - np.cumsum(got_len) + got_len, got_len)
+            got = np.insert(id_u8[idx], np.cumsum(got_len)[:-1], 0).tobytes()  # same separators as `want`
+            if got != want:
+                bad = np.asarray([i for i, (a, b, tid) in enumerate(zip(lo.tolist(), hi.tolist(), tids.tolist()))
+                                  if id_u8[a:b].tobytes() != tid.encode()], dtype=np.int64)
         if bad.size:
             i = int(bad[0])
             raise StaleRowError(f"trajectory {str(tids[i])!r} (shard file {path}, row {int(rows[i])}): the shard no "

@@ -82,6 +82,8 @@ def test_rejected_put_leaves_nothing(sqlite_dp):
     (lambda r: r.logprobs.__setitem__(0, float("nan")), "logprobs must be finite"),
     (lambda r: setattr(r, "tokens", r.tokens[:0]), "empty token sequence|has shape"),
     (lambda r: r.extras.__setitem__("h", r.tokens[:-1].astype("float32")), "first axis"),
+    (lambda r: setattr(r, "id", "a\x00b"), "without NUL"),
+    (lambda r: setattr(r, "loss_mask", r.loss_mask * 2 + 1), "only 0/1"),
 ])
 def test_bad_records_are_rejected_before_anything_is_written(sqlite_dp, mutate, match):
     recs = make_records(3)
