@@ -3,7 +3,8 @@ of the same bytes (the limit) and SQLite (WAL mode, synchronous=FULL), plus reco
 
 Workload: each step appends B tokens (+ log-probs) to a trajectory and commits (one commit per step).
 Also measured, without a target: the batched-decode shape (B trajectories get one token each per
-step, one commit per step). Configurations of one B are interleaved and repeated (`--rounds`), and
+step, one commit per step), once with one `append` per trajectory (`inproc_batched`) and once with
+one `append_step` call per step (`inproc_step`). Configurations of one B are interleaved and repeated (`--rounds`), and
 the median is reported, because this machine is shared and noisy.
 
     python -m bench.wal --json         (or: postrain bench wal --json)
@@ -101,6 +102,22 @@ def inproc_batched(d: Path, b: int, seconds: float) -> float:
             pos = base + i
             for k in range(b):
                 w.append(ids[k], pos, tok_l[k:k + 1], lp_l[k:k + 1], 0)
+            w.commit()
+        return _timed(seconds, step)
+    finally:
+        w.close()
+
+
+def inproc_step(d: Path, b: int, seconds: float) -> float:
+    """The batched-decode shape through TokenWAL.append_step (one call per step)."""
+    toks, lps = _step_arrays(b)
+    ids = [f"traj-{k:06d}" for k in range(b)]
+    w = wal.open(d / f"wals{b}")
+    try:
+        base = w.length(ids[0])
+
+        def step(i):
+            w.append_step(ids, [base + i] * b, toks, lps, 0)
             w.commit()
         return _timed(seconds, step)
     finally:
@@ -275,12 +292,14 @@ def main(argv: list[str] | None = None) -> int:
             runs: dict[str, list[float]] = {m: [] for m in modes}
             if b > 1:
                 runs["inproc_batched"] = []
+                runs["inproc_step"] = []
             for r in range(args.rounds):
                 order = list(modes.items())
                 for m, fn in (order if r % 2 == 0 else order[::-1]):  # alternate the order against drift
                     runs[m].append(fn(root, b, args.seconds))
                 if b > 1:
                     runs["inproc_batched"].append(inproc_batched(root, b, args.seconds))
+                    runs["inproc_step"].append(inproc_step(root, b, args.seconds))
             cfg = {}
             for m, xs in runs.items():
                 sps = statistics.median(xs)

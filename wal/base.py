@@ -17,6 +17,12 @@ class TokenLog(ABC):
     def append(self, traj_id: str, start: int, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int) -> int:
         """Record tokens[i] at position start+i; returns start + len(tokens)."""
 
+    def append_step(self, traj_ids: Sequence[str], positions: Sequence[int], tokens: Sequence[int],
+                    logprobs: Sequence[float], policy_version: int) -> None:
+        """One batched decode step: tokens[i] at positions[i] of traj_ids[i]. Same rules as append."""
+        for i, traj_id in enumerate(traj_ids):
+            self.append(traj_id, positions[i], [tokens[i]], [logprobs[i]], policy_version)
+
     @abstractmethod
     def commit(self) -> int:
         """Block until everything appended before this call is durable; returns the durable lsn."""

@@ -98,6 +98,34 @@ class RemoteWAL(TokenLog):
                     self._send(commit=False)  # stream it now; the ack of the next commit covers it
         return start + n
 
+    def append_step(self, traj_ids: Sequence[str], positions: Sequence[int], tokens: Sequence[int],
+                    logprobs: Sequence[float], policy_version: int) -> None:
+        """One batched decode step, queued as one-token chunks (packed once)."""
+        tok = codec.pack_tokens(tokens)
+        n = len(tok) // 4
+        lp = codec.pack_logprobs(logprobs, n)
+        if len(traj_ids) != n or len(positions) != n:
+            raise codec.CodecError(f"append_step: {len(traj_ids)} trajectory ids, {len(positions)} positions, {n} tokens; "
+                                   f"there must be one of each per trajectory")
+        starts = [_index(p, "position") for p in positions]
+        policy_version = _index(policy_version, "policy_version")
+        if policy_version < 0 or (starts and min(starts) < 0):
+            raise codec.CodecError("positions and policy_version must be >= 0")
+        for t in traj_ids:
+            codec._id_bytes(t, "traj_id")
+        chunk = pb.TokenChunk
+        with self._lock:
+            self._check_open()
+            self._chunks.extend(chunk(traj_id=t, start=starts[i], policy_version=policy_version,
+                                      tokens=tok[i * 4:i * 4 + 4], logprobs=lp[i * 8:i * 8 + 8])
+                                for i, t in enumerate(traj_ids))
+            self._chunk_bytes += 12 * n + sum(len(t) + 32 for t in traj_ids)
+            if self._chunk_bytes >= self._max_pending:
+                if len(self._unacked) >= _MAX_UNACKED:
+                    self._commit_locked()
+                else:
+                    self._send(commit=False)
+
     def _check_open(self) -> None:
         if self._closed:
             raise LogClosedError(f"connection to WAL service {self.address} is closed")

@@ -86,6 +86,22 @@ def encode_tokens(lsn: int, traj_id: str, start: int, policy_version: int, token
     return _frame(body)
 
 
+_ONE_TOKEN_HEAD = struct.Struct("<QBQQIH")  # body head of a one-token TOKENS record: lsn, type, start, version, 1, id_len
+
+
+def encode_step(first_lsn: int, ids: list[bytes], starts: list[int], policy_version: int,
+                tokens: bytes, logprobs: bytes) -> list[bytes]:
+    """One-token TOKENS frames for a decode step (ids already UTF-8; tokens/logprobs packed, one per id),
+    lsns first_lsn, first_lsn+1, … Same bytes as encode_tokens would give, built in one tight loop."""
+    pack, frame, crc = _ONE_TOKEN_HEAD.pack, FRAME.pack, crc32c
+    out = []
+    for i, tid in enumerate(ids):
+        body = b"".join((pack(first_lsn + i, TOKENS, starts[i], policy_version, 1, len(tid)), tid,
+                         tokens[i * 4:i * 4 + 4], logprobs[i * 8:i * 8 + 8]))
+        out.append(frame(len(body), crc(body)) + body)
+    return out
+
+
 def encode_finalize(lsn: int, traj_id: str) -> bytes:
     tid = _id_bytes(traj_id, "traj_id")
     return _frame(BODY.pack(lsn, FINALIZE) + ID_HEAD.pack(len(tid)) + tid)

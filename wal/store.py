@@ -14,6 +14,8 @@ import operator
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from wal import codec
 from wal.config import WALConfig
 from wal.envindex import EnvIndex
@@ -122,6 +124,49 @@ class Store:
         if big:
             self.log.commit()
         return start + n
+
+    def append_step(self, traj_ids, positions, tokens, logprobs, policy_version: int) -> None:
+        """One decode step: token i goes to traj_ids[i] at positions[i]. All items are checked before any
+        is written (a gap, rewrite or finalized trajectory fails the whole step); exact repeats are skipped."""
+        n = len(traj_ids)
+        tok = codec.pack_tokens(tokens)
+        lp = codec.pack_logprobs(logprobs, len(tok) // 4)
+        if len(tok) // 4 != n or len(positions) != n:
+            raise codec.CodecError(f"append_step: {n} trajectory ids, {len(positions)} positions, {len(tok) // 4} tokens; "
+                                   f"there must be one of each per trajectory")
+        starts = [_index(p, "position") for p in positions]
+        policy_version = _index(policy_version, "policy_version")
+        if policy_version < 0 or (starts and min(starts) < 0):
+            raise codec.CodecError("positions and policy_version must be >= 0")
+        ids = [codec._id_bytes(t, "traj_id") for t in traj_ids]
+        if len(set(traj_ids)) != n:  # a trajectory twice in one step: do it item by item, in order
+            for i in range(n):
+                self.append_tokens(traj_ids[i], starts[i], np.frombuffer(tok[i * 4:i * 4 + 4], codec.TOKEN_DTYPE),
+                                   np.frombuffer(lp[i * 8:i * 8 + 8], codec.LOGPROB_DTYPE), policy_version)
+            return
+        with self.mutex:
+            self.log.check_open()
+            trajs = self.tokens.trajs
+            new = []
+            for i in range(n):
+                traj = trajs.get(traj_ids[i])
+                if traj is not None and starts[i] == traj.length:
+                    new.append(i)  # the common case, checked with one lookup
+                elif self.tokens.new_part(traj_ids[i], starts[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8],
+                                          policy_version) is not None:
+                    new.append(i)  # a new trajectory at position 0 (new_part raised on gap, rewrite, finalized)
+            if len(new) != n:
+                ids, starts = [ids[i] for i in new], [starts[i] for i in new]
+                tok = b"".join(tok[i * 4:i * 4 + 4] for i in new)
+                lp = b"".join(lp[i * 8:i * 8 + 8] for i in new)
+                traj_ids = [traj_ids[i] for i in new]
+            first = self.log.next_lsn
+            self.log.extend_locked(codec.encode_step(first, ids, starts, policy_version, tok, lp), first)
+            for i, tid in enumerate(traj_ids):
+                self.tokens.apply(tid, starts[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8], policy_version, first + i)
+            big = self.log.batch_bytes > self.config.max_batch_bytes
+        if big:
+            self.log.commit()
 
     def finalize(self, traj_id: str) -> int:
         codec._id_bytes(traj_id, "traj_id")

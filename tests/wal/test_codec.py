@@ -125,3 +125,11 @@ def test_find_valid_after_tells_torn_from_corrupt():
     off = len(frames[0])
     assert codec.find_valid_after(bytes(bad), off, 0) == off + len(frames[1])
     assert codec.find_valid_after(bytes(bad[:off + len(frames[1])]), off, 0) is None
+
+
+def test_encode_step_gives_the_same_bytes_as_encode_tokens():
+    ids = ["a", "bé", "c" * 50]
+    toks, lps = codec.pack_tokens([1, 2, 3]), codec.pack_logprobs([-0.1, -0.2, -0.3], 3)
+    frames = codec.encode_step(40, [t.encode() for t in ids], [0, 7, 9], 5, toks, lps)
+    assert frames == [codec.encode_tokens(40 + i, t, [0, 7, 9][i], 5, toks[i * 4:i * 4 + 4], lps[i * 8:i * 8 + 8])
+                      for i, t in enumerate(ids)]

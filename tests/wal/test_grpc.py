@@ -214,3 +214,16 @@ def test_large_uncommitted_batches_are_streamed_and_bounded(server):
     c.commit()
     assert c.tokens("s") == [v for i in range(400) for v in range(i, i + 8)]
     c.close()
+
+
+def test_remote_append_step(server):
+    c = wal.connect(server.address)
+    ids = ["x", "y", "z"]
+    for step in range(5):
+        c.append_step(ids, [step] * 3, [step, step + 10, step + 20], [-0.5, -0.25, -0.125], 1)
+        c.commit()
+    assert c.tokens("y") == [10, 11, 12, 13, 14] and c.policy_versions("z") == [1] * 5
+    c.append_step(["x"], [9], [1], [-1.0], 1)
+    with pytest.raises(wal.GapError):
+        c.commit()
+    c.close()

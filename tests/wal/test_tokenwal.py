@@ -232,3 +232,37 @@ def test_numpy_integer_positions_are_accepted_and_floats_refused(tmp_path):
     with pytest.raises(ValueError):
         env.invoke("sb", "1", b"y")
     w.close()
+
+
+def test_append_step_equals_one_append_per_trajectory(tmp_path):
+    rng = np.random.default_rng(0)
+    a, b = wal.open(tmp_path / "a"), wal.open(tmp_path / "b")
+    ids = [f"t{k}" for k in range(37)]
+    for step in range(20):
+        toks = rng.integers(0, 1000, len(ids)).tolist()
+        lps = (-rng.random(len(ids))).tolist()
+        a.append_step(ids, [step] * len(ids), toks, lps, step // 7)
+        for k, t in enumerate(ids):
+            b.append(t, step, [toks[k]], [lps[k]], step // 7)
+        a.commit()
+        b.commit()
+    a.append_step(ids[:3], [0, 0, 0], [a.tokens(t)[0] for t in ids[:3]], [a.logprobs(t)[0] for t in ids[:3]], 0)  # exact repeats
+    a.append_step(["t0", "t0"], [20, 21], [5, 6], [-0.5, -0.6], 2)  # one trajectory twice in a step
+    b.append("t0", 20, [5, 6], [-0.5, -0.6], 2)
+    a.commit()
+    b.commit()
+    for t in ids:
+        assert a.tokens(t) == b.tokens(t) and a.logprobs(t) == b.logprobs(t) and a.policy_versions(t) == b.policy_versions(t)
+    before = a.stats()["next_lsn"]
+    with pytest.raises(wal.GapError):
+        a.append_step(["t1", "t2"], [20, 99], [1, 2], [-1.0, -2.0], 2)
+    with pytest.raises(wal.ConflictError):
+        a.append_step(["t1", "t2"], [20, 0], [1, 2], [-1.0, -2.0], 2)
+    with pytest.raises(ValueError):
+        a.append_step(["t1", "t2"], [20], [1, 2], [-1.0, -2.0], 2)
+    assert a.stats()["next_lsn"] == before, "a failing step writes nothing"
+    a.close()
+    b.close()
+    a = wal.open(tmp_path / "a")
+    assert a.tokens("t0")[-2:] == [5, 6]
+    a.close()
