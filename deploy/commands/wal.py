@@ -81,7 +81,12 @@ def _dump(args) -> int:
 
     from wal.verify import dump
 
+    import sys
+
     rows = dump(args.dir, args.traj)
     for row in rows:
         print(json.dumps(row))
+    if not rows:
+        print(f"postrain wal dump: no records of {args.traj!r} in {args.dir} (finalized and reclaimed, or never written)",
+              file=sys.stderr)
     return 0 if rows else 1
