@@ -36,6 +36,8 @@ class PoolConfig(Config):
     wal_addr: str = Field("", description="WAL service host:port; empty = an in-process WAL per worker under the run dir")
     sandbox_addr: str = Field("", description="sandbox service host:port; empty = the pool starts a local one")
     snapshot_uri: str = Field("", description="KV snapshot store (dir or pyarrow.fs URI); empty = RUN_DIR/kv")
+    commit_group_steps: int = Field(1, ge=1, le=256, description="decode steps per WAL commit (tokens are exposed only once committed)")
+    max_commit_lag: int = Field(4, ge=1, le=256, description="WAL commits in flight in the background while decoding goes on")
     max_replacements: int = Field(64, ge=0, le=100_000, description="worker replacements before the pool gives up")
     call_timeout_s: float = Field(300.0, gt=0, le=86_400, description="longest a worker call may take before it is declared dead")
 

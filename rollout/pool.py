@@ -82,7 +82,8 @@ class RolloutPool:
             _Slot(k, WorkerSpec(name=f"w{k}", checkpoint=str(checkpoint), wal_path=str(self.run_dir / "wal" / str(k)),
                                 snapshot_uri=snap, seed=pool.seed, engine=engine, threads=pool.threads_per_worker,
                                 wal_addr=pool.wal_addr, sandbox_target=target if use_tools else "",
-                                sandbox_token=token, max_tool_calls=max_tool_calls))
+                                sandbox_token=token, max_tool_calls=max_tool_calls,
+                                max_commit_lag=pool.max_commit_lag, commit_group_steps=pool.commit_group_steps))
             for k in range(pool.workers)
         ]
         for s in self.slots:

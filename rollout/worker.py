@@ -2,8 +2,9 @@
 
 `RolloutWorker` is a plain class (tests run it in one process); `RolloutActor` is the Ray actor that
 wraps it and adds nothing but its pid. Commit order in `run`: the engine draws a token for each
-running request → every draw is appended to the WAL → one group `commit()` → only then the engine
-accepts the draws, the pool's stream sees them, a tool may be called or the trajectory finished.
+running request → the draws are appended to the WAL and committed (in the background, while the
+next steps decode: `commit.AsyncCommitter`) → only once that commit returned does the pool's stream
+see the tokens, a tool get called or a trajectory finish.
 
 Admission resumes from the WAL: the committed tokens of a trajectory are loaded, a KV snapshot is
 used when it validates (trajectory, token prefix, policy version, model fingerprint, dtype, crc),
@@ -24,6 +25,7 @@ import torch
 import rewards
 import wal as wal_mod
 from rollout import agent
+from rollout.commit import AsyncCommitter
 from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.snapshot import SnapshotRejected, SnapshotStore, encode
@@ -49,6 +51,8 @@ class WorkerSpec:
     sandbox_token: str = ""
     max_tool_calls: int = 4
     wal_open_wait_s: float = 30.0
+    max_commit_lag: int = 4  # WAL commits that may be in flight (their tokens unexposed)
+    commit_group_steps: int = 1  # decode steps per WAL commit (1: every step is committed on its own)
 
 
 def _open_wal(spec: WorkerSpec):
@@ -77,6 +81,7 @@ class RolloutWorker:
         self.engine = Engine(model, tok, seed=spec.seed, max_batch=e.max_batch, max_len=e.max_len or None,
                              strict=e.strict, policy_version=policy_version, device=e.device)
         self.wal = _open_wal(spec)
+        self.committer = AsyncCommitter(self.wal, spec.max_commit_lag, spec.commit_group_steps)
         self.store = SnapshotStore(spec.snapshot_uri)
         self.tools = agent.ToolGateway(spec.sandbox_target, spec.sandbox_token) if spec.sandbox_target else None
         self.queue: deque[Request] = deque()
@@ -118,26 +123,30 @@ class RolloutWorker:
             if not draws:
                 break
             stopped = eng.accept(draws)  # engine-internal only: nothing outside the engine sees them yet
-            self._admit()
             # the next step runs on the device while this one is made durable (it feeds only requests
-            # still running, so a tool call or a finish below waits for the commit)
+            # still running, so a tool call or a finish waits for the commit of its step)
             pending = eng.launch() if step + 1 < max_steps else None
-            for d in draws:
-                self.wal.append(d.req_id, d.position, [d.token], [d.logprob], eng.version)
-            self.wal.commit()  # durable before anything below exposes the tokens
-            self.counters["tokens_committed"] += len(draws)
-            for d in draws:
-                self._emit(d.req_id, d.position, [d.token])
-            for seq in stopped:
-                self._on_stop(seq.req_id)
-            if pending is None and step + 1 < max_steps:  # everything stopped: admit and go on
+            self.committer.submit(draws, eng.version, (draws, stopped), flush=bool(stopped))
+            self._expose(self.committer.ready())
+            if pending is None and step + 1 < max_steps:  # nothing running: settle the stops, admit, go on
+                self._expose(self.committer.ready(wait_all=True))
                 self._admit()
                 pending = eng.launch()
+        self._expose(self.committer.ready(wait_all=True))
         self._admit()
         report = WorkerReport(self._stream, self._finished, dict(self.counters),
                               idle=not self.engine.seqs and not self.queue)
         self._stream, self._finished = {}, []
         return report
+
+    def _expose(self, durable: list) -> None:
+        """Steps whose commit returned: stream their tokens, answer tool calls, finish trajectories."""
+        for draws, stopped in durable:
+            self.counters["tokens_committed"] += len(draws)
+            for d in draws:
+                self._emit(d.req_id, d.position, [d.token])
+            for seq in stopped:
+                self._on_stop(seq.req_id)
 
     def preempt(self) -> int:
         """Graceful stop: snapshot the KV of every in-flight request, release the WAL. Returns snapshots written."""
@@ -157,6 +166,7 @@ class RolloutWorker:
     def close(self) -> None:
         if not self._stopped:
             self._stopped = True
+            self.committer.close()
             self.wal.close()
             if self.tools:
                 self.tools.close()

@@ -152,3 +152,24 @@ def test_weight_update_mid_trajectory_records_versions(tmp_path, tiny_ckpt, tiny
     for f in out.values():
         v = f.policy_versions
         assert v == sorted(v) and v[0] == 0 and v[-1] == 7  # tokens before the update say 0, after it 7
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_async_committer_exposes_only_durable_steps(tmp_path, group):
+    import wal
+    from rollout.commit import AsyncCommitter
+    from rollout.engine import Draw
+
+    log = wal.open(tmp_path / "w")
+    c = AsyncCommitter(log, max_lag=2, group_steps=group)
+    for step in range(20):
+        c.submit([Draw("t", step, step + 3, -0.5), Draw("u", step, 7, -0.25)], 0, step, flush=step == 10)
+        for done in c.ready():
+            assert len(log.tokens("t")) >= done + 1  # a step comes back only once its tokens are durable
+            assert len(log.tokens("u")) >= done + 1
+        assert len(c) <= 2
+    c.ready(wait_all=True)
+    assert len(c) == 0
+    assert log.tokens("t") == [s + 3 for s in range(20)] and log.logprobs("u") == [-0.25] * 20
+    c.close()
+    log.close()
