@@ -76,6 +76,21 @@ class LearnerWorker:
     def train_step(self, micro_batches: list[PackedBatch]) -> dict[str, float]:
         return self.learner.train_step(micro_batches)
 
+    def train_plan_step(self, plan, minibatch: int, advantages: dict[str, float],
+                        trajectory_versions: dict[str, int] | None = None) -> dict[str, float]:
+        """One optimizer step on minibatch `minibatch` of a data-plane plan: this rank reads only its
+        own share (`dataplane.loader(plan, rank)`), straight from the shards."""
+        import dataplane
+
+        if plan.ranks != self.world:
+            raise ValueError(f"plan made for {plan.ranks} ranks, the learner group has {self.world}")
+        packs = []
+        for b in dataplane.loader(plan, rank=self.rank, minibatches=[minibatch], prefetch=0):
+            pb = PackedBatch.from_dataplane(b, advantages, trajectory_versions=trajectory_versions)
+            if pb is not None:
+                packs.append(pb)
+        return self.learner.train_step(packs)
+
     def set_policy_version(self, version: int) -> None:
         self.learner.policy_version = int(version)
 
@@ -158,6 +173,13 @@ class LearnerGroup:
         if len(per_rank) != self.ranks:
             raise ValueError(f"train_step got micro-batches for {len(per_rank)} ranks, the group has {self.ranks}")
         return self._call("train_step", [(mbs,) for mbs in per_rank])[0]
+
+    def train_plan_step(self, plan, minibatch: int, advantages: dict[str, float],
+                        trajectory_versions: dict[str, int] | None = None) -> dict[str, float]:
+        """One optimizer step on a minibatch of a data-plane plan made for this many ranks; each rank
+        loads its own share. Returns the global metrics."""
+        args = (plan, minibatch, advantages, trajectory_versions)
+        return self._call("train_plan_step", [args] * self.ranks)[0]
 
     def set_policy_version(self, version: int) -> None:
         self._call("set_policy_version", [(version,)] * self.ranks)

@@ -8,7 +8,7 @@ from learner.config import PolicyConfig
 from learner.grpo_config import GRPOConfig
 from learner.group import RESERVED_PORTS, LearnerGroup, free_port
 from learner.tokenizer import char_tokenizer
-from learner.train_step import synthetic_packed_batch
+from learner.train_step import PackedBatch, synthetic_packed_batch
 
 ray = pytest.importorskip("ray")
 
@@ -40,29 +40,58 @@ def test_free_port_avoids_reserved():
     assert port not in RESERVED_PORTS and 0 < port < 65536
 
 
-def test_one_vs_two_ranks_same_update(ray_local):
+def plan_two_ranks(root):
+    """A real data plane with 12 trajectories in 3 groups and a 2-rank, 2-minibatch plan over it."""
+    import numpy as np
+
+    import dataplane
+
+    rng = np.random.default_rng(0)
+    recs = []
+    for i in range(12):
+        n = int(rng.integers(8, 24))
+        recs.append(dataplane.TrajectoryRecord(
+            id=f"t{i:02d}", run="r", domain="arith", prompt=f"p{i // 4}", group_id=f"g{i // 4}",
+            tokens=rng.integers(0, VOCAB, n), loss_mask=(np.arange(n) >= 4).astype(np.uint8),
+            logprobs=(-rng.random(n) * 3 - 3).astype(np.float32), reward=float(i % 3 == 0)))
+    dp = dataplane.open(root / "catalog.db", root / "store")
+    dp.put(recs)
+    sel = dp.select(run="r")
+    plan = dp.plan(sel, tokens_per_rank=64, ranks=2, seed=0, group_aware=True)
+    advantages = {str(t): float(r) - 0.25 for t, r in zip(sel.ids, sel.reward)}
+    both = [[pb for rank in range(2) for b in dataplane.loader(plan, rank=rank, minibatches=[m])
+             if (pb := PackedBatch.from_dataplane(b, advantages)) is not None] for m in range(plan.num_minibatches)]
+    return plan, advantages, both
+
+
+def test_one_vs_two_ranks_same_update(ray_local, tmp_path):
     # Two steps; each step has four micro-batches of uneven sizes (ranks get unequal token counts).
     data = [[synthetic_packed_batch(VOCAB, lens, seed=10 * step + i)
              for i, lens in enumerate([[9, 14], [6, 11, 8], [12], [7, 7, 10]])] for step in range(2)]
+    # Then the minibatches of a real 2-rank data-plane plan: each actor loads its own share.
+    plan, advantages, both_ranks = plan_two_ranks(tmp_path)
+    assert plan.num_minibatches >= 2
     # seq-mean-token-mean: sequences must be counted globally, the harder aggregation to get right.
-    for agg in ("seq-mean-token-mean",):
-        one = LearnerGroup(config(1, agg), TINY, dtype="float64")
-        first_weights = one.weights()
-        m1 = steps(one, [[mbs] for mbs in data])
-        w1 = one.weights()
-        one.close()
-        two = LearnerGroup(config(2, agg), TINY, dtype="float64")
-        m2 = steps(two, [[mbs[:1], mbs[1:]] for mbs in data])
-        w2 = two.weights()
-        w2_rank1 = ray.get(two.actors[1].weights.remote())
-        two.close()
-        for k in w1:
-            torch.testing.assert_close(w2[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
-            torch.testing.assert_close(w2_rank1[k], w2[k], rtol=0, atol=0, msg=k)  # replicas stay identical
-        for a, b in zip(m1, m2):
-            for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl_ref", "loss_tokens", "seqs", "tokens"):
-                assert b[key] == pytest.approx(a[key], rel=1e-8, abs=1e-12), (agg, key)
-        assert any(w1[k].ne(w0).any() for k, w0 in first_weights.items())  # the steps moved the weights
+    agg = "seq-mean-token-mean"
+    one = LearnerGroup(config(1, agg), TINY, dtype="float64")
+    first_weights = one.weights()
+    m1 = steps(one, [[mbs] for mbs in data]) + [one.train_step([mbs]) for mbs in both_ranks]
+    w1 = one.weights()
+    one.close()
+    two = LearnerGroup(config(2, agg), TINY, dtype="float64")
+    m2 = steps(two, [[mbs[:1], mbs[1:]] for mbs in data])
+    m2 += [two.train_plan_step(plan, m, advantages) for m in range(plan.num_minibatches)]
+    w2 = two.weights()
+    w2_rank1 = ray.get(two.actors[1].weights.remote())
+    two.close()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-9, atol=1e-12, msg=k)
+        torch.testing.assert_close(w2_rank1[k], w2[k], rtol=0, atol=0, msg=k)  # replicas stay identical
+    assert len(m1) == len(m2) == 2 + plan.num_minibatches
+    for a, b in zip(m1, m2):
+        for key in ("loss", "grad_norm", "clip_frac", "entropy", "kl_ref", "loss_tokens", "seqs", "tokens"):
+            assert b[key] == pytest.approx(a[key], rel=1e-8, abs=1e-12), key
+    assert any(w1[k].ne(w0).any() for k, w0 in first_weights.items())  # the steps moved the weights
 
 
 def test_dead_rank_fails_fast_with_a_clear_error(ray_local):
