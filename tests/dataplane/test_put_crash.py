@@ -115,3 +115,30 @@ def test_shard_write_is_atomic(tmp_path, monkeypatch):
     assert dp.store.list() == [] and dp.stats()["trajectories"] == 0
     time.sleep(0)
     dp.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    import dataplane
+    from tests.dataplane.conftest import make_records
+    dp = dataplane.open(sys.argv[1], sys.argv[2])
+    for k in range(5):  # several small puts each, interleaving with the other writers
+        dp.put(make_records(10, seed=k, id_prefix=f"w{sys.argv[3]}-{k}-"))
+    dp.close()
+""")
+
+
+def test_concurrent_writers_share_one_sqlite_catalog(tmp_path):
+    catalog, store = tmp_path / "cat.db", tmp_path / "store"
+    dataplane.open(catalog, store).close()
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(catalog), str(store), str(w)], cwd=os.getcwd(),
+                              stderr=subprocess.PIPE, text=True) for w in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    dp = dataplane.open(catalog, store)
+    assert dp.stats()["trajectories"] == 150 and dp.stats()["shards"] == 15
+    plan = dp.plan(tokens_per_rank=500, ranks=2)
+    assert sum(b.num_tokens for r in (0, 1) for b in dp.loader(plan, rank=r)) == plan.num_tokens
+    assert dp.verify_shards() == []
+    dp.close()
