@@ -3,6 +3,7 @@ written atomically (temp, fsync, rename, fsync dir), checksummed (crc32c of the 
 memory-mapped and zero-copy where the filesystem is local."""
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -87,11 +88,16 @@ class ShardStore:
         self.fs.create_dir(parent, recursive=True)
         tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp.{os.getpid()}"
         if self.local:
-            with open(tmp, "wb") as f:
-                f.write(buf)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(buf)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             _fsync_dir(parent)
         else:  # object stores have no fsync; a completed upload followed by a move is their commit
             with self.fs.open_output_stream(tmp) as out:

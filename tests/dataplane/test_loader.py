@@ -8,6 +8,8 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +76,6 @@ def test_peak_memory_stays_near_two_minibatches(tmp_path):
 
 
 def test_prefetch_is_bounded_and_early_exit_stops_the_worker(sqlite_dp):
-    import threading
-
     sqlite_dp.put(make_records(200, max_len=50))
     plan = sqlite_dp.plan(tokens_per_rank=100)
     built = []
@@ -84,8 +84,6 @@ def test_prefetch_is_bounded_and_early_exit_stops_the_worker(sqlite_dp):
     loader.build = lambda m: built.append(m) or orig(m)
     it = iter(loader)
     next(it)
-    import time
-
     time.sleep(0.5)
     assert len(built) <= 3  # the one in hand + two ahead
     it.close()
