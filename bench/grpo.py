@@ -226,7 +226,17 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
             opt.zero_grad(set_to_none=True)
 
         # Interleaved, best of K: on a shared machine the load drifts; both sides see the same drift.
-        learner.train_step(mbs)  # warm-up (and compilation, for flex attention)
+        try:
+            learner.train_step(mbs)  # warm-up (and compilation, for flex attention)
+        except Exception as exc:  # noqa: BLE001 - a missing attention backend: fall back, say so
+            if attn == "sdpa":
+                raise
+            _log(f"{attn} failed ({type(exc).__name__}: {exc}); falling back to sdpa")
+            res["model"]["attn_error"] = f"{attn}: {type(exc).__name__}: {str(exc)[:300]}"
+            attn = res["model"]["attn_implementation"] = "sdpa"
+            base = _build(model_cfg, device, dtype, attn)
+            learner = Learner(copy.deepcopy(base), cfg)
+            learner.train_step(mbs)
         naive_ok, t_ours, t_naive, peak = True, [], [], {}
         try:
             naive_step()
