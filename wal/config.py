@@ -29,7 +29,7 @@ class ServeConfig(BaseModel):
 
 
 class WALFileConfig(BaseModel):
-    """configs/wal.toml: `[wal]` and `[serve]` tables."""
+    """A `postrain wal serve --config FILE`: `[wal]` and `[serve]` tables."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

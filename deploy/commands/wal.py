@@ -11,7 +11,7 @@ def add_arguments(p):
     s.add_argument("--port", type=int, default=None, help="TCP port (default from config: 50551; 0 = any free)")
     s.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1; others need --token)")
     s.add_argument("--token", default=None, help="shared secret clients must send (default: $POSTRAIN_WAL_TOKEN)")
-    s.add_argument("--config", default=None, help="TOML with [wal] and [serve] tables (see configs/wal.toml)")
+    s.add_argument("--config", default=None, help="TOML with [wal] and [serve] tables (fields: wal/config.py)")
     s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key, e.g. wal.segment_bytes=1048576")
     s.add_argument("--repair", action="store_true", help="if the log is corrupt in the middle, cut it there (cut bytes kept in DIR/torn/)")
     v = sub.add_parser("verify", help="scan a log directory without modifying it")

@@ -181,14 +181,18 @@ def test_cli_verify_and_dump(tmp_path):
     assert r.returncode == 2 and "corrupt" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_shipped_config_parses():
-    from pathlib import Path
-
+def test_serve_config_file_parses_and_bounds_are_enforced(tmp_path):
     from deploy.config import load
+    from deploy.errors import UserError
     from wal.config import WALFileConfig
 
-    cfg = load(WALFileConfig, Path(__file__).parents[2] / "configs" / "wal.toml")
-    assert cfg.serve.host == "127.0.0.1" and cfg.wal.segment_bytes >= 4096
+    (tmp_path / "wal.toml").write_text('[wal]\nsegment_bytes = 1048576\n[serve]\nport = 6000\nmax_message_bytes = 1048576\n')
+    cfg = load(WALFileConfig, tmp_path / "wal.toml")
+    assert cfg.wal.segment_bytes == 1 << 20 and cfg.serve.port == 6000 and cfg.serve.host == "127.0.0.1"
+    with pytest.raises(UserError, match="segment_bytes"):
+        load(WALFileConfig, tmp_path / "wal.toml", ["wal.segment_bytes=10"])
+    with pytest.raises(UserError, match="unknown key"):
+        load(WALFileConfig, tmp_path / "wal.toml", ["serve.prot=1"])
 
 
 def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch):
