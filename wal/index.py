@@ -20,11 +20,14 @@ from wal.errors import ConflictError, FinalizedError, GapError
 from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
 
 
+MERGE_CHUNKS = 64
+
+
 class Trajectory:
     """Tokens and log-probs as lists of packed chunks (appending never copies what is already held;
     a read joins them once and keeps the joined chunk)."""
 
-    __slots__ = ("tok_chunks", "lp_chunks", "chunk_starts", "length", "version_runs", "pending", "durable_len")
+    __slots__ = ("tok_chunks", "lp_chunks", "chunk_starts", "length", "version_runs", "pending", "durable_len", "unmerged")
 
     def __init__(self) -> None:
         self.tok_chunks: list[bytes] = []  # packed TOKEN_DTYPE
@@ -34,6 +37,7 @@ class Trajectory:
         self.version_runs: list[tuple[int, int]] = []  # (first position, policy version)
         self.pending: deque = deque()  # (lsn, length after that record), not yet durable
         self.durable_len = 0
+        self.unmerged = 0  # chunks added since the last merge
 
     def add(self, tokens: bytes, logprobs: bytes, version: int) -> None:
         if not self.version_runs or self.version_runs[-1][1] != version:
@@ -42,12 +46,20 @@ class Trajectory:
         self.tok_chunks.append(tokens)
         self.lp_chunks.append(logprobs)
         self.length += len(tokens) // TOKEN_BYTES
+        self.unmerged += 1
+        if self.unmerged == MERGE_CHUNKS:  # one-token appends must not leave one Python object per token
+            k = MERGE_CHUNKS
+            self.tok_chunks[-k:] = [b"".join(self.tok_chunks[-k:])]
+            self.lp_chunks[-k:] = [b"".join(self.lp_chunks[-k:])]
+            self.chunk_starts[-k:] = [self.chunk_starts[-k]]
+            self.unmerged = 0
 
     def _join(self) -> None:
         if len(self.tok_chunks) > 1:
             self.tok_chunks = [b"".join(self.tok_chunks)]
             self.lp_chunks = [b"".join(self.lp_chunks)]
             self.chunk_starts = [0]
+            self.unmerged = 0
 
     def packed(self, lo: int, hi: int) -> tuple[bytes, bytes]:
         """Positions lo..hi-1 as (packed tokens, packed log-probs)."""

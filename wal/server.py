@@ -89,15 +89,12 @@ class TokenLogService:
 
     def Read(self, raw, context):
         req = _parse(pb.ReadRequest, raw, context)
+        lo = req.from_position
         try:
-            tok, lp, versions = self.wal.read_packed(req.traj_id)
+            tok, lp, versions, n = self.wal.read_packed(req.traj_id, lo, lo + self.serve.max_read_tokens)
         except WALError as exc:
             self._fail(context, exc)
-        n = len(tok) // 4
-        lo = min(req.from_position, n)
-        hi = min(n, lo + self.serve.max_read_tokens)
-        return pb.ReadReply(tokens=tok[lo * 4:hi * 4], logprobs=lp[lo * 8:hi * 8], policy_versions=versions[lo:hi],
-                            from_position=lo, committed_length=n)
+        return pb.ReadReply(tokens=tok, logprobs=lp, policy_versions=versions, from_position=min(lo, n), committed_length=n)
 
     def Trajectories(self, raw, context):
         _parse(pb.TrajectoriesRequest, raw, context)

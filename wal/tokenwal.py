@@ -32,31 +32,30 @@ class TokenWAL(TokenLog):
     def commit(self) -> int:
         return self._store.commit()
 
-    def _read(self, traj_id: str):
+    def _read(self, traj_id: str, lo: int = 0, hi: int | None = None, versions: bool = True):
+        """Committed positions lo..hi (clamped) as (packed tokens, packed log-probs, versions, committed length)."""
         s = self._store
         with s.mutex:
             s.log.check_open()
             traj, n = s.tokens.read(traj_id, s.log.durable_lsn)
             if traj is None:
-                return b"", b"", []
-            return (*traj.packed(0, n), traj.versions(0, n))
+                return b"", b"", [], 0
+            hi = n if hi is None else min(hi, n)
+            lo = min(max(lo, 0), hi)
+            return (*traj.packed(lo, hi), traj.versions(lo, hi) if versions else [], n)
 
     def tokens(self, traj_id: str) -> list[int]:
-        return codec.unpack_tokens(self._read(traj_id)[0])
+        return codec.unpack_tokens(self._read(traj_id, versions=False)[0])
 
     def logprobs(self, traj_id: str) -> list[float]:
-        return codec.unpack_logprobs(self._read(traj_id)[1])
+        return codec.unpack_logprobs(self._read(traj_id, versions=False)[1])
 
     def policy_versions(self, traj_id: str) -> list[int]:
         return self._read(traj_id)[2]
 
-    def read_packed(self, traj_id: str, lo: int = 0, hi: int | None = None) -> tuple[bytes, bytes, list[int]]:
-        """Committed positions lo..hi as (packed int32 tokens, packed float64 log-probs, versions)."""
-        tok, lp, versions = self._read(traj_id)
-        n = len(tok) // 4
-        hi = n if hi is None else min(hi, n)
-        lo = min(max(lo, 0), hi)
-        return tok[lo * 4:hi * 4], lp[lo * 8:hi * 8], versions[lo:hi]
+    def read_packed(self, traj_id: str, lo: int = 0, hi: int | None = None) -> tuple[bytes, bytes, list[int], int]:
+        """Committed positions lo..hi as (packed int32 tokens, packed float64 log-probs, versions, committed length)."""
+        return self._read(traj_id, lo, hi)
 
     def length(self, traj_id: str) -> int:
         """Number of committed tokens (where a resumed decode continues)."""

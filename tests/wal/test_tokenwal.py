@@ -270,3 +270,21 @@ def test_append_step_equals_one_append_per_trajectory(tmp_path):
     a = wal.open(tmp_path / "a")
     assert a.tokens("t0")[-2:] == [5, 6]
     a.close()
+
+
+def test_index_merges_small_chunks_and_reads_any_range(tmp_path):
+    from wal.index import MERGE_CHUNKS
+
+    w = wal.open(tmp_path)
+    n = MERGE_CHUNKS * 3 + 5
+    for p in range(n):
+        w.append_step(["t"], [p], [p], [-p / 100], p // 50)
+    w.commit()
+    traj = w._store.tokens.trajs["t"]
+    assert len(traj.tok_chunks) <= 3 + MERGE_CHUNKS, "one-token appends must be merged into larger chunks"
+    for lo, hi in [(0, n), (3, 70), (63, 65), (n - 1, n), (10, 10)]:
+        tok, lp, versions, length = w.read_packed("t", lo, hi)
+        assert np.frombuffer(tok, "<i4").tolist() == list(range(lo, hi)) and length == n
+        assert np.frombuffer(lp, "<f8").tolist() == [-p / 100 for p in range(lo, hi)]
+        assert versions == [p // 50 for p in range(lo, hi)]
+    w.close()
