@@ -102,3 +102,32 @@ def test_dead_rank_fails_fast_with_a_clear_error(ray_local):
     with pytest.raises(RuntimeError, match="learner rank died"):
         group.train_step([[batch], [batch]])
     group.close()
+
+
+@pytest.mark.slow
+def test_two_rank_resume_matches_uninterrupted(ray_local, tmp_path):
+    batches = [synthetic_packed_batch(VOCAB, [9, 14, 6], seed=s) for s in range(3)]
+
+    def run(group, steps):
+        out = []
+        for b in steps:
+            m = group.train_step([[b.select(0, 1)], [b.select(1, 3)]])
+            m.pop("step_time_s"), m.pop("tokens_per_s")
+            out.append(m)
+        return out
+
+    straight = LearnerGroup(config(2, "token-mean"), TINY)
+    want, want_w = run(straight, batches), straight.weights()
+    straight.close()
+    first = LearnerGroup(config(2, "token-mean"), TINY)
+    got = run(first, batches[:1])
+    first.save_checkpoint(tmp_path / "ckpt", iteration=1)
+    first.close()
+    resumed = LearnerGroup(config(2, "token-mean"), TINY)
+    assert resumed.load_checkpoint(tmp_path / "ckpt")["world_size"] == 2
+    got += run(resumed, batches[1:])
+    w = resumed.weights()
+    resumed.close()
+    assert got == want
+    for k in want_w:
+        assert torch.equal(w[k], want_w[k]), k
