@@ -14,16 +14,17 @@ class DataPlaneSink:
 
         self.dp = dataplane.open(catalog_url, store_root)
         self.run = run
+        # the pool is this run's only writer: what the catalog holds now plus what we put since
+        self._have = set(self.dp.select(run=run, status=None).ids.tolist())
 
     def put(self, finished: list[Finished]) -> int:
         from dataplane import TrajectoryRecord
 
         if not finished:
             return 0
-        have = self.dp.catalog.existing_ids([f.traj_id for f in finished])
         records = []
         for f in finished:
-            if f.traj_id in have:
+            if f.traj_id in self._have:
                 continue  # a repeat after a worker died before its WAL finalize: already stored
             mask = np.array(f.loss_mask, dtype=np.uint8)
             versions = [v for v, m in zip(f.policy_versions, mask) if m] or [0]
@@ -34,7 +35,8 @@ class DataPlaneSink:
                 reward=f.reward, policy_min=min(versions), policy_max=max(versions), status="complete"))
         if records:
             self.dp.put(records)
+            self._have.update(r.id for r in records)
         return len(records)
 
     def close(self) -> None:
-        self.dp.catalog.close()
+        self.dp.close()
