@@ -39,6 +39,10 @@ class TokenLog(ABC):
     def policy_versions(self, traj_id: str) -> list[int]:
         """Policy version that sampled each committed token."""
 
+    def length(self, traj_id: str) -> int:
+        """Number of committed tokens: where a resumed decode continues."""
+        return len(self.tokens(traj_id))
+
     @abstractmethod
     def trajectories(self) -> list[str]:
         """Ids of trajectories with committed tokens that are not finalized (what a restart must resume)."""

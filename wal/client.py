@@ -231,6 +231,10 @@ class RemoteWAL(TokenLog):
     def policy_versions(self, traj_id: str) -> list[int]:
         return self._read(traj_id)[2]
 
+    def length(self, traj_id: str) -> int:
+        rep = self._call("Read", pb.ReadRequest(traj_id=traj_id, from_position=2**63))
+        return rep.committed_length
+
     def trajectories(self) -> list[str]:
         return list(self._call("Trajectories", pb.TrajectoriesRequest()).traj_ids)
 

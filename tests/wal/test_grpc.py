@@ -39,6 +39,7 @@ def test_remote_roundtrip_and_errors(server):
     assert c.commit() >= 0
     assert c.tokens("a") == [1, 2, 3, 4] and c.logprobs("a") == [-0.1, -0.2, -0.3, -0.4]
     assert c.policy_versions("a") == [0, 0, 0, 1]
+    assert c.length("a") == 4 and c.length("nobody") == 0
     assert c.trajectories() == ["a", "b"]
     c.append("a", 9, [1], [-1.0], 1)
     with pytest.raises(wal.GapError, match="gap"):
