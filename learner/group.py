@@ -43,35 +43,52 @@ def make_policy(source: PolicyConfig | str | Path):
 
 
 class LearnerWorker:
-    """One learner rank. Builds the policy, joins the process group (when world > 1), wraps DDP."""
+    """One learner rank. Builds the policy, joins the process group (when world > 1), wraps DDP.
+
+    In one process `LearnerWorker(cfg, policy)` is ready at once. As a Ray actor it is built with
+    `join=False`; the group asks rank 0 for a rendezvous address on its own node (`rendezvous`) and
+    then has every rank `join` it."""
 
     def __init__(self, cfg: GRPOConfig, policy: PolicyConfig | str | Path, rank: int = 0, world: int = 1,
-                 master: tuple[str, int] | None = None, dtype: str | None = None):
-        self.cfg, self.rank, self.world = cfg, rank, world
+                 dtype: str | None = None, join: bool = True):
+        self.cfg, self.policy, self.rank, self.world, self.dtype = cfg, policy, rank, world, dtype
         threads = cfg.learner.threads or max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.learner.seed + rank)
-        device = pick_device(cfg.learner.device)
-        if world > 1:
+        self.device = pick_device(cfg.learner.device)
+        if join:
+            self.join(None)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """An address on this rank's node where the process group's store can listen."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, free_port(host)
+
+    def join(self, master: tuple[str, int] | None) -> None:
+        if self.world > 1:
             import torch.distributed as dist
 
             if master is None:
                 raise ValueError("a learner group of more than one rank needs a master (host, port)")
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=rank,
-                                    world_size=world, timeout=timedelta(minutes=10))
-        self.model, self.tokenizer = make_policy(policy)
-        if dtype is not None:
-            self.model.to(getattr(torch, dtype))
-        ref = copy.deepcopy(self.model).requires_grad_(False) if cfg.loss.kl_coef > 0 else None
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank,
+                                    world_size=self.world, timeout=timedelta(minutes=10))
+        self.model, self.tokenizer = make_policy(self.policy)
+        if self.dtype is not None:
+            self.model.to(getattr(torch, self.dtype))
+        ref = copy.deepcopy(self.model).requires_grad_(False) if self.cfg.loss.kl_coef > 0 else None
         wrap = None
-        if world > 1:
+        if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
+
+            device = self.device
 
             def wrap(module):
                 return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
                            broadcast_buffers=False)
-        self.learner = Learner(self.model, cfg, Collectives(world, device), ref_model=ref, wrap=wrap)
+        self.learner = Learner(self.model, self.cfg, Collectives(self.world, self.device), ref_model=ref, wrap=wrap)
 
     def train_step(self, micro_batches: list[PackedBatch]) -> dict[str, float]:
         return self.learner.train_step(micro_batches)
@@ -144,11 +161,10 @@ class LearnerGroup:
             raise RuntimeError("a learner group of more than one rank needs ray.init() first")
         gpus = 1 if pick_device(cfg.learner.device).type == "cuda" else 0
         Actor = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=gpus)(LearnerWorker)
-        # Rank 0 hosts the rendezvous; its node address is where every rank connects.
-        host = ray.util.get_node_ip_address()
-        master = (host, free_port(host if host != "127.0.0.1" else "127.0.0.1"))
-        self.actors = [Actor.remote(cfg, policy, r, self.ranks, master, dtype) for r in range(self.ranks)]
-        ray.get([a.__ray_ready__.remote() for a in self.actors])
+        self.actors = [Actor.remote(cfg, policy, r, self.ranks, dtype, join=False) for r in range(self.ranks)]
+        # Rank 0 hosts the process group's store, so the address must be on rank 0's node.
+        master = ray.get(self.actors[0].rendezvous.remote())
+        ray.get([a.join.remote(master) for a in self.actors])
 
     def _call(self, method: str, per_rank_args: list[tuple] | None = None):
         if self.local is not None:
