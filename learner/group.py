@@ -142,6 +142,18 @@ class LearnerWorker:
                 dist.destroy_process_group()
 
 
+def _get_first_error(refs: list) -> list:
+    """ray.get of every rank's result, raising on the first failure (live ranks may be stuck waiting
+    for the failed one in a collective, so waiting for all would hang)."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
 class LearnerGroup:
     """N learner ranks; one rank runs in this process, more run as Ray actors."""
 
@@ -164,7 +176,12 @@ class LearnerGroup:
         self.actors = [Actor.remote(cfg, policy, r, self.ranks, dtype, join=False) for r in range(self.ranks)]
         # Rank 0 hosts the process group's store, so the address must be on rank 0's node.
         master = ray.get(self.actors[0].rendezvous.remote())
-        ray.get([a.join.remote(master) for a in self.actors])
+        try:
+            _get_first_error([a.join.remote(master) for a in self.actors])
+        except Exception:
+            self.broken = True  # the other ranks wait in the rendezvous: kill them, do not hang
+            self.close()
+            raise
 
     def _call(self, method: str, per_rank_args: list[tuple] | None = None):
         if self.local is not None:
@@ -173,11 +190,7 @@ class LearnerGroup:
 
         refs = [getattr(a, method).remote(*(per_rank_args[r] if per_rank_args else ())) for r, a in enumerate(self.actors)]
         try:
-            pending = list(refs)
-            while pending:  # fail on the first dead rank; the live ones are stuck in a collective
-                done, pending = ray.wait(pending, num_returns=1)
-                ray.get(done)
-            return ray.get(refs)
+            return _get_first_error(refs)
         except ray.exceptions.RayActorError as exc:
             self.broken = True
             # A lost rank leaves the others inside a collective: the group cannot continue.

@@ -131,3 +131,8 @@ def test_two_rank_resume_matches_uninterrupted(ray_local, tmp_path):
     assert got == want
     for k in want_w:
         assert torch.equal(w[k], want_w[k]), k
+
+
+def test_bad_policy_fails_the_group_without_hanging(ray_local, tmp_path):
+    with pytest.raises(Exception, match="no HF checkpoint"):
+        LearnerGroup(config(2, "token-mean"), str(tmp_path / "missing"))
