@@ -13,6 +13,13 @@ API (what rollout workers and learners call)::
     for batch in dp.loader(plan, rank=r, extras=["teacher_hidden"]):        # a remote rank can use
         batch.input_ids, batch.position_ids, batch.cu_seqlens, batch.loss_mask, batch.logprobs  # dataplane.loader(plan, r)
 
+Contract: `put` makes a trajectory visible only after its shard is durable (a crash in between leaves
+an orphan file for `gc`, never a half-visible row). A plan covers every selected token exactly once;
+a trajectory longer than `tokens_per_rank` comes as contiguous pieces that move forward in (minibatch,
+rank), with `position_ids` continuing from the piece's start. Batches stay valid as long as they are
+referenced (buffers are reused only once released). Failures raise a DataPlaneError subclass whose
+message names the trajectory and the file.
+
 Files:
     __init__.py  `open()` factory, `loader()` for ranks that only hold a plan, public names
     types.py     TrajectoryRecord, Selection, Plan (picklable, JSON-able), Batch, STATUSES
