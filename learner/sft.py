@@ -45,12 +45,14 @@ def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
 
 
 def masked_nll(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean negative log-likelihood of the masked-in target tokens (token-mean)."""
+    """Negative log-likelihood of the masked-in target tokens, averaged per sequence, then over sequences
+    (seq-mean-token-mean), so that a domain with short answers weighs as much as one with long ones."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
     targets = batch["input_ids"][:, 1:]
     mask = batch["loss_mask"][:, 1:]
     nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), targets, reduction="none")
-    return (nll * mask).sum() / mask.sum().clamp_min(1.0)
+    per_seq = (nll * mask).sum(dim=1) / mask.sum(dim=1).clamp_min(1.0)
+    return per_seq.mean()
 
 
 def lr_at(step: int, cfg: SFTConfig) -> float:

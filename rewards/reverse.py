@@ -13,10 +13,10 @@ _PROMPT_RE = re.compile(r"rev ([a-z]{1,16})=")
 
 class Reverse(Domain):
     name = "reverse"
-    description = "Reverse a lowercase word of 3 to 9 letters; reply with the reversed word alone."
+    description = "Reverse a lowercase word of 3 to 7 letters; reply with the reversed word alone."
 
     def _draw(self, rng: random.Random) -> str:
-        return "rev " + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 9))) + "="
+        return "rev " + "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7))) + "="
 
     def prompts(self, split: str, n: int, seed: int) -> list[str]:
         return splits.sample(self._draw, split, n, seed)
