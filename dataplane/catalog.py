@@ -4,6 +4,7 @@ bytewise collation and insert-or-ignore. The schema version is checked at open."
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -52,13 +53,22 @@ class Catalog:
             if not create:
                 raise DataPlaneError(f"catalog {self._safe_url()} is empty (no data-plane schema)")
             metadata.create_all(self.engine)
-            with self.engine.begin() as conn:
+            with self._writing() as conn:
                 self.backend_insert_ignore(conn, meta, [{"key": "schema_version", "value": str(SCHEMA_VERSION)}])
         with self.engine.connect() as conn:
             found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
         if found != str(SCHEMA_VERSION):
             raise SchemaVersionError(f"catalog {self._safe_url()} has schema version {found!r}; this postrain reads "
                                      f"version {SCHEMA_VERSION}: use a fresh catalog or migrate it")
+
+    @contextmanager
+    def _writing(self):
+        """A write transaction: SQLite takes the write lock up front (BEGIN IMMEDIATE), so concurrent
+        writers queue on the busy timeout instead of failing to upgrade; reads stay plain BEGIN."""
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(dp_write=True)
+            with conn.begin():
+                yield conn
 
     def backend_insert_ignore(self, conn, table, rows: list[dict]) -> None:
         if rows:
@@ -90,7 +100,7 @@ class Catalog:
         run_names = sorted({shard_row["run"], *(r["run"] for r in traj_rows)})
         versions = sorted({(r["run"], v) for r in traj_rows for v in (r["policy_min"], r["policy_max"])})
         try:
-            with self.engine.begin() as conn:
+            with self._writing() as conn:
                 self.backend_insert_ignore(conn, runs, [{"name": n, "created_at": now} for n in run_names])
                 self.backend_insert_ignore(conn, policy_versions, [
                     {"run": r, "version": v, "created_at": now, "checkpoint": None} for r, v in versions])
@@ -107,7 +117,7 @@ class Catalog:
 
     def publish_policy_version(self, run: str, version: int, checkpoint: str | None) -> None:
         now = time.time()
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             self.backend_insert_ignore(conn, runs, [{"name": run, "created_at": now}])
             self.backend_insert_ignore(conn, policy_versions, [
                 {"run": run, "version": version, "created_at": now, "checkpoint": checkpoint}])
@@ -117,16 +127,16 @@ class Catalog:
     def set_status(self, ids: list[str], status: str) -> int:
         if status not in STATUSES:
             raise DataPlaneError(f"status {status!r}: expected one of {STATUSES}")
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             return conn.execute(update(T).where(T.c.id.in_(ids)).values(status=status)).rowcount
 
     def delete(self, ids: list[str]) -> int:
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             return conn.execute(delete(T).where(T.c.id.in_(ids))).rowcount
 
     def drop_empty_shards(self) -> list[str]:
         """Forget shards no trajectory points at; returns their paths (the caller deletes the files)."""
-        with self.engine.begin() as conn:
+        with self._writing() as conn:
             empty = conn.execute(select(shards.c.id, shards.c.path).where(
                 ~select(T.c.seq).where(T.c.shard_id == shards.c.id).exists())).all()
             if empty:

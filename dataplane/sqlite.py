@@ -1,5 +1,6 @@
-"""SQLite catalog backend (embedded default): a file in WAL mode, synchronous=FULL, writers take the
-lock up front (BEGIN IMMEDIATE) and wait for it up to `busy_timeout`."""
+"""SQLite catalog backend (embedded default): a file in WAL mode, synchronous=FULL; write transactions
+(execution option `dp_write`) take the lock up front (BEGIN IMMEDIATE) and wait for it up to
+`busy_timeout`; reads use plain BEGIN and never wait for writers (WAL)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,7 +29,7 @@ def make_engine(url: str, namespace: str | None = None, busy_timeout_s: float = 
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn):
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("dp_write") else "BEGIN")
 
     return engine
 

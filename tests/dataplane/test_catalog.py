@@ -101,3 +101,17 @@ def test_bad_catalog_url(tmp_path):
         dataplane.open("mysql://x/y", tmp_path / "s")
     with pytest.raises(dataplane.DataPlaneError, match="cannot open"):
         dataplane.open("postgresql://postgres@127.0.0.1:1/none", tmp_path / "s")
+
+
+def test_reads_do_not_wait_for_a_writer(sqlite_dp, tmp_path):
+    import time
+
+    sqlite_dp.put(make_records(5))
+    other = sqlite3.connect(tmp_path / "catalog.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    other.execute("UPDATE dp_trajectories SET reward = 0.5")
+    t = time.perf_counter()
+    assert len(sqlite_dp.select()) == 5 and sqlite_dp.stats()["trajectories"] == 5
+    assert time.perf_counter() - t < 5  # not queued behind the writer (the busy timeout is 60 s)
+    other.execute("ROLLBACK")
+    other.close()
