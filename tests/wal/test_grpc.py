@@ -159,6 +159,19 @@ def _tok(t: int, p: int) -> int:
 
 
 def test_server_sigkilled_mid_stream_client_finishes_without_loss_or_duplicate(tmp_path):
+    _kill_server_mid_stream(tmp_path, (20, 70))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(10))
+def test_server_sigkilled_at_random_steps(tmp_path, seed):
+    import random
+
+    rng = random.Random(seed)
+    _kill_server_mid_stream(tmp_path, tuple(sorted(rng.sample(range(1, 110), 3))))
+
+
+def _kill_server_mid_stream(tmp_path, kill_steps: tuple[int, ...]) -> None:
     directory = tmp_path / "log"
     proc, port = _start_server(directory, 0)
     steps, trajs, per = 120, 3, 7
@@ -182,7 +195,7 @@ def test_server_sigkilled_mid_stream_client_finishes_without_loss_or_duplicate(t
     th = threading.Thread(target=client_loop)
     th.start()
     try:
-        for kill_at in (20, 70):
+        for kill_at in kill_steps:
             deadline = time.monotonic() + 60
             while progress["steps"] < kill_at and time.monotonic() < deadline and th.is_alive():
                 time.sleep(0.002)
@@ -193,7 +206,7 @@ def test_server_sigkilled_mid_stream_client_finishes_without_loss_or_duplicate(t
             proc, _ = _start_server(directory, port)
         th.join(timeout=120)
         assert not th.is_alive() and not errors, errors
-        assert progress["reconnects"] >= 2, "the client should have reconnected after each kill"
+        assert progress["reconnects"] >= len(kill_steps), "the client should have reconnected after each kill"
         c = wal.connect(f"127.0.0.1:{port}")
         for t in range(trajs):
             assert c.tokens(f"t{t}") == [_tok(t, p) for p in range(steps * per)], "lost or duplicated tokens"
