@@ -1,0 +1,32 @@
+"""`postrain grpo`: specialist GRPO on one domain from an SFT checkpoint (rollouts may be preempted underneath)."""
+from deploy.commands._common import add_config_args
+
+NAME = "grpo"
+HELP = "specialist GRPO on a domain: Ray rollouts -> verify -> data plane -> learner -> publish weights, repeated"
+
+
+def add_arguments(p):
+    p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
+    p.add_argument("--init", required=True, help="HF checkpoint directory to start from (e.g. OUT/final of `postrain sft`)")
+    p.add_argument("--iterations", type=int, required=True, help="GRPO iterations in total (a resumed run counts the done ones)")
+    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/")
+    p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    add_config_args(p)
+
+
+def run(args) -> int:
+    from deploy import config
+    from deploy.commands._common import default_config
+    from deploy.grpo_config import GRPOLoopConfig
+    from deploy.grpo_loop import run_grpo
+
+    cfg = config.load(GRPOLoopConfig, args.config or default_config("grpo_loop"), list(args.overrides))
+    summary = run_grpo(cfg, args.domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
+                       resume=args.resume, quiet=args.quiet)
+    if not args.quiet:
+        evals = ", ".join(f"{e['iteration']}: {e['pass_at_1']:.3f}" for e in summary["eval"])
+        print(f"grpo {args.domain}: eval pass@1 by iteration {{{evals}}}; final policy {summary['final']}, "
+              f"metrics {args.out}/metrics.jsonl, curve {args.out}/grpo.png")
+    return 0

@@ -1,0 +1,48 @@
+"""Config of a `postrain grpo` run: the learner's tables, the rollout path's tables, the loop and eval.
+
+One flat file (`configs/grpo_loop.toml`): `[loss] [advantages] [staleness] [optim] [learner]` are the
+learner's (`learner/grpo_config.py`), `[engine] [sampling] [pool]` the rollout path's
+(`rollout/config.py`), `[eval]` pass@1 (`learner/config.py`), `[loop]` what composes them.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+
+from deploy.config import Config
+from learner.config import EvalConfig
+from learner.grpo_config import GRPOConfig
+from rollout.config import EngineConfig, PoolConfig, RolloutConfig, SamplingConfig
+
+
+class LoopConfig(Config):
+    """One GRPO iteration: P prompts × G samples → verify → data plane → plan → train → publish."""
+
+    prompts_per_iteration: int = Field(8, ge=1, le=1_000_000, description="prompts drawn from the domain's train split per iteration")
+    group_size: int = Field(8, ge=2, le=4096, description="samples per prompt (the GRPO group)")
+    async_rollouts: bool = Field(False, description="one-step-off: rollouts of iteration k+1 run while the learner "
+                                                    "trains on iteration k (their tokens are one version stale)")
+    tokens_per_rank: int = Field(0, ge=0, le=1 << 30, description="plan budget per rank and minibatch (one optimizer "
+                                                                  "step each); 0 = the whole iteration in one step")
+    eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals (0 = only first and last)")
+    checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints (the last is always saved)")
+    chaos_faults: int = Field(2, ge=0, le=1000, description="faults injected into each iteration's rollouts under --chaos")
+    seed: int = Field(0, ge=0, description="prompt draw seed (prompts of iteration k are a pure function of it and k)")
+    catalog: str = Field("", description="data-plane catalog (SQLite path or PostgreSQL URL); empty = OUT/dataplane/catalog.db")
+    store: str = Field("", description="data-plane shard store (dir or pyarrow.fs URI); empty = OUT/dataplane/store")
+
+
+class GRPOLoopConfig(GRPOConfig):
+    """`postrain grpo`: the learner's tables plus rollout, eval and loop."""
+
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="rollout inference engine")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="rollout decoding controls")
+    pool: PoolConfig = Field(default_factory=PoolConfig, description="rollout workers and pool")
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(n=64), description="pass@1 on the domain's eval split")
+    loop: LoopConfig = Field(default_factory=LoopConfig, description="the loop composing them")
+
+    def learner_config(self) -> GRPOConfig:
+        """The learner's part alone (what the Ray learner ranks receive)."""
+        return GRPOConfig.model_validate({k: getattr(self, k).model_dump() for k in GRPOConfig.model_fields})
+
+    def rollout_config(self) -> RolloutConfig:
+        return RolloutConfig(engine=self.engine, sampling=self.sampling, pool=self.pool)

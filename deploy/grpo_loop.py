@@ -1,0 +1,326 @@
+"""The GRPO loop: rollout pool → verify → data plane → plan → learner group → publish weights → repeat.
+
+One iteration k (DESIGN.md, "Data flow of one GRPO iteration"):
+  1. P prompts of the domain's train split (a pure function of loop.seed and k), G samples each, go to
+     the Ray rollout pool; workers verify each finished trajectory and the pool puts it into the data
+     plane under the run name `it{k}` (group id = prompt) before the worker may finalize it.
+  2. The learner selects the batch's metadata, computes group-relative advantages from the catalog's
+     rewards (zero-variance groups counted, optionally left out), plans group-aware minibatches and
+     takes one optimizer step per minibatch; every rank loads its own share from the shards.
+  3. The learner group publishes policy version v+1; the pool's workers get the weights.
+  4. Every `eval_every` iterations: greedy pass@1 on the eval split; every `checkpoint_every`: a
+     learner checkpoint (weights, optimizer, RNG, iteration, policy version).
+
+With `loop.async_rollouts` the rollouts of k+1 run (in a thread driving the Ray pool) while the
+learner trains on k: their tokens are sampled one policy version behind, which the learner's
+staleness bound sees. Weights reach the workers between rollout batches only.
+
+Resume: the run continues from `OUT/checkpoints/latest`. Prompts and sampling are pure functions of
+(seed, iteration, trajectory id, position), a complete batch already in the data plane was sampled by
+the checkpoint's policy (or, one-step-off, by the one before it, which is why the checkpoint is only
+written after that batch is durable), so the resumed run repeats the uninterrupted run's metrics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import rewards
+from deploy.errors import UserError
+from deploy.grpo_config import GRPOLoopConfig
+from deploy.rundir import RunDir
+
+# Metrics that depend on wall time or machine load, not on the seeded computation.
+TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s")
+
+
+def batch_name(iteration: int) -> str:
+    """Data-plane run name of iteration k's rollouts."""
+    return f"it{iteration:06d}"
+
+
+def make_requests(cfg: GRPOLoopConfig, domain: str, iteration: int) -> list:
+    """P prompts × G samples; each sample has its own trajectory id, hence its own RNG stream."""
+    from rollout.sampling import SamplingParams
+    from rollout.types import Request
+
+    dom = rewards.domain(domain)
+    s, lp = cfg.sampling, cfg.loop
+    params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
+                            stop=("</call>",) if dom.uses_tools else ())
+    prompts = dom.prompts("train", lp.prompts_per_iteration, lp.seed * 1_000_003 + iteration)
+    return [Request(f"{domain}-{batch_name(iteration)}-p{j:04d}-g{g:03d}", domain, p, params)
+            for j, p in enumerate(prompts) for g in range(lp.group_size)]
+
+
+def subset(sel, keep: np.ndarray):
+    """The trajectories of a data-plane Selection where `keep` is True (shard paths unchanged)."""
+    per_traj = {f.name for f in dataclasses.fields(sel) if f.name not in ("shard_paths", "teachers")}
+    return dataclasses.replace(sel, **{name: getattr(sel, name)[keep] for name in per_traj})
+
+
+def check_config(cfg: GRPOLoopConfig) -> None:
+    s = cfg.sampling
+    if s.temperature <= 0:
+        raise UserError("grpo: sampling.temperature must be > 0 (GRPO needs sampled groups and their log-probs)")
+    if abs(s.temperature - cfg.loss.temperature) > 1e-9:
+        raise UserError(f"grpo: sampling.temperature {s.temperature} != loss.temperature {cfg.loss.temperature}; "
+                        "the learner must score tokens at the temperature they were sampled with")
+    if s.top_p < 1.0 or s.top_k > 0:
+        raise UserError("grpo: top_p / top_k filtering changes the behaviour log-probs the learner does not model; "
+                        "set sampling.top_p = 1.0 and sampling.top_k = 0")
+    if cfg.loop.async_rollouts and cfg.staleness.bound == 0:
+        raise UserError("grpo: loop.async_rollouts samples every batch one version behind; staleness.bound = 0 "
+                        "would mask every token (use bound >= 1, or -1 for none)")
+
+
+class _IterationSink:
+    """The pool's sink: finished trajectories into the data plane under the current iteration's name."""
+
+    def __init__(self, catalog: str, store: str):
+        self.catalog, self.store, self.current = catalog, store, None
+
+    def start(self, name: str) -> None:
+        from rollout.sink import DataPlaneSink
+
+        self.close()
+        self.current = DataPlaneSink(self.catalog, self.store, run=name)
+
+    def put(self, finished) -> int:
+        if self.current is None:
+            raise RuntimeError("rollout sink: no iteration started")
+        return self.current.put(finished)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+
+class GRPOLoop:
+    """`postrain grpo` as an object: `run()` trains `iterations` iterations (in total, across resumes)."""
+
+    def __init__(self, cfg: GRPOLoopConfig, domain: str, init: str | Path, out: str | Path, iterations: int,
+                 chaos_seed: int | None = None, resume: bool = False, quiet: bool = False):
+        check_config(cfg)
+        try:
+            self.dom = rewards.domain(domain)
+        except rewards.UnknownDomain as exc:
+            raise UserError(str(exc)) from None
+        if iterations < 1:
+            raise UserError("grpo: --iterations must be >= 1")
+        if not (Path(init) / "config.json").is_file():
+            raise UserError(f"grpo: no HF checkpoint at {init} (config.json missing); pass e.g. OUT/final of `postrain sft`")
+        self.cfg, self.domain, self.init, self.iterations = cfg, domain, Path(init), iterations
+        self.chaos_seed, self.quiet = chaos_seed, quiet
+        self.out = Path(out)
+        self._prepare_out(resume)
+        self.run = RunDir(self.out)
+        self.run.save_config(cfg)
+        self.catalog = cfg.loop.catalog or str(self.out / "dataplane" / "catalog.db")
+        self.store = cfg.loop.store or str(self.out / "dataplane" / "store")
+        self.batch_size = cfg.loop.prompts_per_iteration * cfg.loop.group_size
+
+    def _prepare_out(self, resume: bool) -> None:
+        meta = {"domain": self.domain, "init": str(self.init)}
+        meta_path = self.out / "grpo_run.json"
+        if resume:
+            if not meta_path.is_file():
+                raise UserError(f"grpo: --resume but {self.out} holds no GRPO run (grpo_run.json missing)")
+            old = json.loads(meta_path.read_text())
+            if old["domain"] != self.domain:
+                raise UserError(f"grpo: {self.out} trains domain {old['domain']!r}, not {self.domain!r}")
+            return
+        if self.out.exists() and any(self.out.iterdir()):
+            raise UserError(f"grpo: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
+        self.out.mkdir(parents=True, exist_ok=True)
+        from deploy.atomic import write_atomic
+
+        write_atomic(meta_path, json.dumps(meta, indent=2).encode())
+
+    # -- the run ---------------------------------------------------------------------------------------
+    def run_loop(self) -> dict:
+        import dataplane
+        from learner.checkpoint import latest_checkpoint
+        from learner.group import LearnerGroup
+        from learner.policy import load_policy
+        from rollout.pool import RolloutPool
+
+        cfg = self.cfg
+        ckpt = latest_checkpoint(self.run.checkpoints) if self.run.checkpoints.exists() else None
+        self.dp = dataplane.open(self.catalog, self.store)
+        self.sink = _IterationSink(self.catalog, self.store)
+        # A fresh rollout directory per start: WAL state of an interrupted attempt is not resumed across
+        # checkpoints (its trajectories are either complete in the data plane, or re-sampled identically).
+        starts = sorted((self.out / "rollout").glob("start-*")) if (self.out / "rollout").exists() else []
+        pool_dir = self.out / "rollout" / f"start-{len(starts):03d}"
+        pool_init = str(Path(ckpt) / "model") if ckpt else str(self.init)
+        self.pool = RolloutPool(pool_init, pool_dir, cfg.pool, cfg.engine, sink=self.sink,
+                                max_tool_calls=cfg.sampling.max_tool_calls, use_tools=self.dom.uses_tools)
+        self.group = None
+        try:
+            self.group = LearnerGroup(cfg.learner_config(), str(self.init), num_cpus_per_rank=0)
+            start = 0
+            if ckpt is not None:
+                start = int(self.group.load_checkpoint(ckpt)["iteration"])
+                self._truncate_metrics(start)
+                self._drop_incomplete_batches(start)
+                self.pool.update_weights(self.group.weights(), self.group.policy_version)
+            self.eval_model, self.tok = load_policy(self.init)
+            return self._iterate(start)
+        finally:
+            self.pool.close()
+            if self.group is not None:
+                self.group.close()
+            self.sink.close()
+            self.dp.close()
+
+    def _iterate(self, start: int) -> dict:
+        cfg, lp = self.cfg, self.cfg.loop
+        last_eval = None
+        if start == 0:
+            last_eval = self._evaluate(0, self.group.weights())
+        roll = None
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if lp.async_rollouts else None
+        try:
+            for k in range(start, self.iterations):
+                t0 = time.monotonic()
+                if roll is None:  # not rolled out ahead: now (a partial batch of an interrupted attempt goes first)
+                    if not self._complete(k):
+                        self._drop_batch(k)
+                    roll = self._rollout(k) if not self._complete(k) else {}
+                ahead = None
+                if executor is not None and k + 1 < self.iterations and not self._complete(k + 1):
+                    self._drop_batch(k + 1)
+                    ahead = executor.submit(self._rollout, k + 1)
+                train = self._train(k)
+                t1 = time.monotonic()
+                weights, version = (self.group.publish() if train.get("optimizer_steps") else
+                                    (self.group.weights(), self.group.policy_version))
+                nxt = ahead.result() if ahead is not None else None
+                self.pool.update_weights(weights, version)
+                self.dp.publish_policy_version(batch_name(k), version)
+                self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **train,
+                             train_s=round(t1 - t0 - roll.get("rollout_s", 0.0), 3),
+                             iteration_s=round(time.monotonic() - t0, 3))
+                done = k + 1
+                if (lp.eval_every and done % lp.eval_every == 0) or done == self.iterations:
+                    last_eval = self._evaluate(done, weights)
+                if done % lp.checkpoint_every == 0 or done == self.iterations:
+                    self.group.save_checkpoint(self.run.checkpoints, done)
+                roll = nxt
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=True)
+        from learner.policy import save_policy
+
+        self.eval_model.load_state_dict(self.group.weights())
+        final = save_policy(self.eval_model, self.tok, self.out / "final")
+        self.run.plot("iteration", ["reward_mean", "solve_rate", "eval_pass_at_1"], "grpo.png",
+                      title=f"GRPO on {self.domain}")
+        evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
+        return {"out": str(self.out), "final": str(final), "iterations": self.iterations,
+                "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
+                "last_eval": last_eval}
+
+    # -- stages ------------------------------------------------------------------------------------------
+    def _rollout(self, k: int) -> dict:
+        """Iteration k's P×G rollouts through the pool into the data plane; the pool's counters."""
+        from rollout import chaos as chaos_mod
+
+        t0 = time.monotonic()
+        requests = make_requests(self.cfg, self.domain, k)
+        faults = []
+        if self.chaos_seed is not None and self.cfg.loop.chaos_faults:
+            faults = chaos_mod.schedule(self.chaos_seed * 1_000_003 + k, self.cfg.pool.workers, self.cfg.loop.chaos_faults)
+        before = self.pool.replacements
+        self.sink.start(batch_name(k))
+        res = self.pool.run(requests, faults)
+        if len(res.finished) != len(requests):
+            raise RuntimeError(f"grpo: iteration {k}: {len(res.finished)} of {len(requests)} rollouts finished")
+        return {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished),
+                "faults": int(sum(res.faults.values())), "replacements": res.replacements - before,
+                "tokens_lost": res.tokens_lost, "tokens_resampled": res.tokens_resampled}
+
+    def _complete(self, k: int) -> bool:
+        return len(self.dp.select(run=batch_name(k), status=None)) == self.batch_size
+
+    def _drop_batch(self, k: int) -> None:
+        sel = self.dp.select(run=batch_name(k), status=None)
+        if len(sel):
+            self.dp.delete(list(sel.ids))
+
+    def _drop_incomplete_batches(self, start: int) -> None:
+        """After a resume from iteration `start`: batches past it, and an incomplete one at it, go."""
+        for k in range(start, self.iterations + 1):
+            if k > start or not self._complete(k):
+                self._drop_batch(k)
+
+    def _train(self, k: int) -> dict:
+        """Advantages over whole groups from the catalog, a group-aware plan, one step per minibatch."""
+        from learner.advantages import group_advantages
+
+        cfg = self.cfg
+        sel = self.dp.select(run=batch_name(k))
+        if len(sel) != self.batch_size:
+            raise RuntimeError(f"grpo: iteration {k}: {len(sel)} of {self.batch_size} trajectories in the data plane")
+        reward_B = torch.from_numpy(np.asarray(sel.reward, dtype=np.float64))
+        adv = group_advantages(reward_B, torch.from_numpy(np.asarray(sel.group)), std_normalise=cfg.advantages.std_normalise,
+                               leave_one_out=cfg.advantages.leave_one_out,
+                               filter_zero_variance=cfg.advantages.filter_zero_variance)
+        stats = {"reward_mean": float(reward_B.mean()), "solve_rate": float((reward_B >= 1.0).double().mean()),
+                 "length_mean": float(np.mean(sel.length)), "groups": adv.groups,
+                 "zero_variance_groups": adv.zero_variance_groups}
+        keep = adv.keep_B.numpy()
+        if not keep.any():
+            return stats | {"optimizer_steps": 0, "trained_trajectories": 0}
+        sub = subset(sel, keep)
+        ranks = cfg.learner.ranks
+        longest = int(sub.length.max())
+        budget = cfg.loop.tokens_per_rank or math.ceil(sub.num_tokens / ranks) + longest
+        if budget < longest:
+            raise UserError(f"grpo: loop.tokens_per_rank {budget} is below the longest trajectory ({longest} tokens); "
+                            "the learner trains whole trajectories")
+        plan = self.dp.plan(sub, tokens_per_rank=budget, ranks=ranks, seed=cfg.loop.seed, epoch=k, group_aware=True)
+        ids = [str(i) for i in sel.ids]
+        advantages = dict(zip(ids, adv.advantages_B.tolist()))
+        versions = dict(zip(ids, (int(v) for v in sel.policy_min)))
+        steps = [self.group.train_plan_step(plan, m, advantages, versions) for m in range(plan.num_minibatches)]
+        learner = {key: float(np.mean([s.get(key, 0.0) for s in steps])) for key in steps[-1]
+                   if key not in ("step", "lr")}
+        for key in ("tokens", "loss_tokens", "seqs"):
+            learner[key] = float(sum(s.get(key, 0.0) for s in steps))
+        learner |= {"lr": steps[-1]["lr"], "optimizer_step": int(steps[-1]["step"])}
+        return stats | learner | {"optimizer_steps": len(steps), "trained_trajectories": int(keep.sum())}
+
+    def _evaluate(self, iteration: int, weights: dict) -> dict:
+        from learner.evaluate import evaluate
+
+        t0 = time.monotonic()
+        self.eval_model.load_state_dict(weights)
+        res = evaluate(self.eval_model, self.tok, self.domain, self.cfg.eval)
+        row = {"eval_pass_at_1": res["pass_at_1"], "eval_mean_reward": res["mean_reward"], "eval_n": res["n"]}
+        self.run.log(stage="eval", iteration=iteration, **row, eval_s=round(time.monotonic() - t0, 3))
+        if not self.quiet:
+            print(f"grpo {self.domain} iteration {iteration}: eval pass@1 {res['pass_at_1']:.3f} (n={res['n']})",
+                  flush=True)
+        return row
+
+    def _truncate_metrics(self, start: int) -> None:
+        """Drop metric rows of iterations after the checkpoint (they are run again)."""
+        from deploy.atomic import write_atomic
+
+        rows = [r for r in self.run.read_metrics() if r.get("iteration", 0) <= start]
+        write_atomic(self.run.metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def run_grpo(cfg: GRPOLoopConfig, domain: str, init: str | Path, out: str | Path, iterations: int,
+             chaos_seed: int | None = None, resume: bool = False, quiet: bool = False) -> dict:
+    return GRPOLoop(cfg, domain, init, out, iterations, chaos_seed, resume, quiet).run_loop()
