@@ -195,12 +195,14 @@ def cpu_name() -> str:
     return platform.processor() or "cpu"
 
 
-def _attempt(out: dict, key: str, fn):
+def _attempt(out: dict, key: str, fn, on_progress=None):
     """Run one measurement; a failure is recorded (one line) instead of losing the others."""
     try:
         out[key] = fn()
     except Exception as exc:  # a benchmark section that breaks must not hide the rest of the run
         out[key + "_error"] = f"{type(exc).__name__}: {exc}"[:500]
+    if on_progress:
+        on_progress(out)
 
 
 def run_cpu(quick: bool, scratch: Path) -> dict:
@@ -242,7 +244,7 @@ def qwen2_05b_config(max_positions: int = 32768 + 64, small: bool = False):
                        tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643, pad_token_id=151643)
 
 
-def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = False) -> dict:
+def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = False, on_progress=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rollout.engine import model_fingerprint
@@ -260,23 +262,25 @@ def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = Fals
     out = {"model": "qwen2-0.5B-style random " + str(dtype).removeprefix("torch."),
            "params": sum(p.numel() for p in model.parameters()),
            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "batch": B, "prompt": P, "new_tokens": N}
-    _attempt(out, "engine_static_tokens_per_s", lambda: engine_tps(model, None, prompts, N, device, reps=2, static=True, fp=fp)[0])
-    _attempt(out, "engine_eager_tokens_per_s", lambda: engine_tps(model, None, prompts, N, device, reps=1, fp=fp)[0])
-    _attempt(out, "hf_generate_tokens_per_s", lambda: hf_tps(model, None, prompts, N, device, reps=1))
+    _attempt(out, "engine_static_tokens_per_s", lambda: engine_tps(model, None, prompts, N, device, reps=2, static=True, fp=fp)[0], on_progress)
+    _attempt(out, "engine_eager_tokens_per_s", lambda: engine_tps(model, None, prompts, N, device, reps=1, fp=fp)[0], on_progress)
+    _attempt(out, "hf_generate_tokens_per_s", lambda: hf_tps(model, None, prompts, N, device, reps=1), on_progress)
     best = max([out.get("engine_static_tokens_per_s", 0), out.get("engine_eager_tokens_per_s", 0)])
     if best and out.get("hf_generate_tokens_per_s"):
         out["engine_vs_hf_generate"] = best / out["hf_generate_tokens_per_s"]
     static_ok = "engine_static_tokens_per_s" in out
     _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
-                                              static=static_ok, fp=fp))
+                                              static=static_ok, fp=fp), on_progress)
     _attempt(out, "wal_group4", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal4",
-                                                     static=static_ok, fp=fp, group_steps=4))
+                                                     static=static_ok, fp=fp, group_steps=4), on_progress)
     ctxs = (2048, 8192, 32768) if not small else (256,)
     out["resume"] = []
     for c in ctxs:
         r: dict = {}
         _attempt(r, "r", lambda: resume_latency(model, None, c, device, scratch / f"kv{c}", fp=fp))
         out["resume"].append(r.get("r") or {"context": c, "error": r.get("r_error")})
+        if on_progress:
+            on_progress(out)
         torch.cuda.empty_cache() if device == "cuda" else None
     return out
 
@@ -305,7 +309,11 @@ def main(argv: list[str] | None = None) -> int:
         res["cpu"] = run_cpu(args.quick, scratch / "cpu")
     gpu_note = "not run: no CUDA device in this run (see bench/results/rollout_h200.json when present)"
     if torch.cuda.is_available():
-        res["gpu"] = run_gpu(args.quick, scratch / "gpu")
+        def save_partial(gpu_part):  # a run cut short still leaves what it measured
+            if args.out:
+                Path(args.out).write_text(json.dumps({**res, "gpu": gpu_part, "partial": True}, indent=2) + "\n")
+
+        res["gpu"] = run_gpu(args.quick, scratch / "gpu", on_progress=save_partial)
         res["device"] = f"{res['gpu']['gpu']} + {cpu_name()}" + ("" if args.gpu_only else " (CPU part: 2 threads)")
         gpu_note = None
     cpu, gpu = res.get("cpu"), res.get("gpu")

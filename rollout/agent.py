@@ -64,10 +64,10 @@ def answer_turn(engine, wal, gateway: ToolGateway | None, traj_id: str, prompt_l
         return TurnOutcome(False, reason=f"tool call budget ({max_calls}) spent")
     output, replayed = gateway.answer(traj_id, call_no, call)
     result_ids = engine.tok.encode(protocol.format_result(output))
+    if not engine.fits(traj_id, len(result_ids)):  # the tool ran (and is logged) but its answer does not fit
+        return TurnOutcome(False, not replayed, replayed, reason="context")
     start = len(seq.tokens)
     wal.append(traj_id, start, result_ids, [ENV_LOGPROB] * len(result_ids), engine.version)
     wal.commit()
     engine.append_env(traj_id, result_ids)
-    if seq.state != "run":
-        return TurnOutcome(False, not replayed, replayed, reason=seq.reason)
     return TurnOutcome(True, not replayed, replayed)

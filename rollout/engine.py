@@ -158,13 +158,16 @@ class Engine:
     def append_env(self, req_id: str, tokens: list[int]) -> None:
         """Environment tokens (a tool result): loss-masked, never sampled; the request runs again."""
         seq = self.seqs[req_id]
-        if len(seq.tokens) + len(tokens) >= self.max_len:
-            seq.state, seq.reason = "done", "context"
-            return
+        if not self.fits(req_id, len(tokens)):
+            raise ValueError(f"request {req_id!r}: {len(tokens)} environment tokens overflow max_len {self.max_len}")
         seq.tokens += tokens
         seq.sampled += [False] * len(tokens)
         seq.turn_start = len(seq.tokens)
         seq.state, seq.reason = "run", ""
+
+    def fits(self, req_id: str, extra: int) -> bool:
+        """Whether `extra` more tokens leave room to decode at least one more."""
+        return len(self.seqs[req_id].tokens) + extra < self.max_len - 1
 
     def export_kv(self, req_id: str) -> tuple[dict[str, torch.Tensor], int]:
         seq = self.seqs[req_id]

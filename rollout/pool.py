@@ -204,6 +204,10 @@ class RolloutPool:
             return
         s.unconfirmed = []
         self._live_counters[s.index] = report.counters
+        lost = [t for t in report.already_final if t in self._want and t not in self._done]
+        if lost:  # finalized by an earlier run whose pool never got the record: it is in that run's data plane
+            raise RuntimeError(f"rollout pool: {len(lost)} trajectories (e.g. {lost[0]!r}) were finalized in "
+                               f"{s.spec.wal_path} by an earlier run; use a fresh run directory or other ids")
         for traj, (start, toks) in report.committed.items():
             seen = self._stream.setdefault(traj, {})
             for i, t in enumerate(toks):
@@ -222,25 +226,32 @@ class RolloutPool:
         if fresh and self.progress:
             self.progress(len(fresh))
 
+    def preempt(self, slot_index: int, damage: str | None = None) -> None:
+        """A graceful preemption notice for worker `slot_index`: it finishes its call, snapshots the KV of its
+        in-flight requests and stops; a replacement resumes them. `damage` ("corrupt" / "delete") then
+        spoils the stored snapshots (fault injection: the replacement must fall back to re-prefill)."""
+        s = self.slots[slot_index]
+        self._settle(s)  # the notice arrives between calls
+        if s.ref is None and s.actor is not None:
+            try:
+                self.ray.get(s.actor.preempt.remote(), timeout=self.cfg.call_timeout_s)
+            except self.ray.exceptions.RayActorError:
+                pass
+        if damage:
+            from rollout.snapshot import SnapshotStore
+
+            for p in SnapshotStore(s.spec.snapshot_uri).ids_on_disk():
+                if damage == "delete":
+                    os.unlink(p)
+                else:
+                    _flip_byte(p)
+        self._replace(s, "preempted")
+
     def _inject(self, f: Fault) -> None:
         s = self.slots[f.slot % len(self.slots)]
         self.faults[f.kind] += 1
         if f.kind.startswith("preempt"):
-            self._settle(s)  # the notice arrives between calls
-            if s.ref is None and s.actor is not None:
-                try:
-                    self.ray.get(s.actor.preempt.remote(), timeout=self.cfg.call_timeout_s)
-                except self.ray.exceptions.RayActorError:
-                    pass
-            if f.kind != "preempt":
-                from rollout.snapshot import SnapshotStore
-
-                for p in SnapshotStore(s.spec.snapshot_uri).ids_on_disk():
-                    if f.kind == "preempt_delete":
-                        os.unlink(p)
-                    else:
-                        _flip_byte(p)
-            self._replace(s, f.kind)
+            self.preempt(s.index, damage={"preempt": None, "preempt_corrupt": "corrupt", "preempt_delete": "delete"}[f.kind])
         elif f.kind == "ray_kill":
             self.ray.kill(s.actor, no_restart=True)
             if s.ref is None:

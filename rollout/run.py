@@ -5,7 +5,9 @@ same trajectories (`token_hash` per trajectory), with or without injected faults
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -48,7 +50,8 @@ def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int,
     schedule = chaos_mod.schedule(chaos_seed, cfg.pool.workers, faults) if chaos_seed is not None else []
     sink = DataPlaneSink(str(out / "catalog.db"), str(out / "store"), run=out.name)
     t0 = time.monotonic()
-    with progress("rollout", len(requests), quiet=quiet) as advance:
+    # Ray prints worker-death notices on stdout; keep stdout for the report (`--json`)
+    with progress("rollout", len(requests), quiet=quiet) as advance, contextlib.redirect_stdout(sys.stderr):
         pool = RolloutPool(checkpoint, out, cfg.pool, cfg.engine, sink=sink, max_tool_calls=cfg.sampling.max_tool_calls,
                            use_tools=dom.uses_tools, progress=lambda k: advance(k))
         try:

@@ -63,4 +63,5 @@ class WorkerReport:
     committed: dict[str, tuple[int, list[int]]] = field(default_factory=dict)  # traj -> (start, tokens) newly durable
     finished: list[Finished] = field(default_factory=list)
     counters: dict[str, int] = field(default_factory=dict)  # cumulative for this worker incarnation
+    already_final: list[str] = field(default_factory=list)  # submitted ids the WAL had finalized earlier
     idle: bool = False

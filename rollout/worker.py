@@ -90,6 +90,7 @@ class RolloutWorker:
         self.counters: Counter = Counter()
         self._stream: dict[str, tuple[int, list[int]]] = {}
         self._finished: list[Finished] = []
+        self._already_final: list[str] = []
         self._stopped = False
 
     # -- pool interface ---------------------------------------------------------------------
@@ -135,8 +136,8 @@ class RolloutWorker:
         self._expose(self.committer.ready(wait_all=True))
         self._admit()
         report = WorkerReport(self._stream, self._finished, dict(self.counters),
-                              idle=not self.engine.seqs and not self.queue)
-        self._stream, self._finished = {}, []
+                              idle=not self.engine.seqs and not self.queue, already_final=self._already_final)
+        self._stream, self._finished, self._already_final = {}, [], []
         return report
 
     def _expose(self, durable: list) -> None:
@@ -191,8 +192,9 @@ class RolloutWorker:
         prompt = eng.tok.encode(req.prompt)
         try:
             committed = self.wal.tokens(traj)
-        except wal_mod.FinalizedError:  # finished and acknowledged in an earlier incarnation
+        except wal_mod.FinalizedError:  # finished and acknowledged earlier: its record lives in the data plane
             self.reqs.pop(traj, None)
+            self._already_final.append(traj)
             return
         if not committed:
             self.wal.append(traj, 0, prompt, [ENV_LOGPROB] * len(prompt), eng.version)

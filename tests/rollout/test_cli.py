@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 SETS = ["--set", "sampling.max_new_tokens=24", "--set", "engine.max_batch=2", "--set", "pool.steps_per_call=3"]
 
 
+def _report(p) -> dict:
+    return json.loads(p.stdout.strip().splitlines()[-1])  # the report is the last line (--json)
+
+
 def _cli(*args, check=True):
     p = subprocess.run([sys.executable, "-m", "deploy.cli", "rollout", *map(str, args)], cwd=ROOT,
                        capture_output=True, text=True, timeout=900)
@@ -72,7 +76,7 @@ def test_chaos_run_completes_with_the_fault_free_hashes(tmp_path, tiny_ckpt):
     out = tmp_path / "chaos"
     p = _cli("--checkpoint", tiny_ckpt, "--domain", "arith", "--n", n, "--workers", 2, "--chaos", 3, "--faults", 3,
              "--out", out, "--json", "--quiet", *SETS)
-    report = json.loads(p.stdout)
+    report = _report(p)
     assert sum(report["faults_injected"].values()) == 3
     assert {t["id"]: t["token_hash"] for t in report["trajectories"]} == ref
     _check_outputs(out, report, n)
@@ -81,8 +85,8 @@ def test_chaos_run_completes_with_the_fault_free_hashes(tmp_path, tiny_ckpt):
 @pytest.mark.slow
 def test_chaos_equals_no_chaos_two_cli_runs(tmp_path, tiny_ckpt):
     args = ["--checkpoint", tiny_ckpt, "--domain", "arith", "--n", 12, "--workers", 2, "--json", "--quiet", *SETS]
-    plain = json.loads(_cli(*args, "--out", tmp_path / "a").stdout)
-    chaos = json.loads(_cli(*args, "--out", tmp_path / "b", "--chaos", 7, "--faults", 10).stdout)
+    plain = _report(_cli(*args, "--out", tmp_path / "a"))
+    chaos = _report(_cli(*args, "--out", tmp_path / "b", "--chaos", 7, "--faults", 10))
     assert sum(chaos["faults_injected"].values()) == 10 and len(chaos["faults_injected"]) == 5
     assert [t["token_hash"] for t in plain["trajectories"]] == [t["token_hash"] for t in chaos["trajectories"]]
     _check_outputs(tmp_path / "b", chaos, 12)

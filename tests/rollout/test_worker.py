@@ -173,3 +173,16 @@ def test_async_committer_exposes_only_durable_steps(tmp_path, group):
     assert log.tokens("t") == [s + 3 for s in range(20)] and log.logprobs("u") == [-0.25] * 20
     c.close()
     log.close()
+
+
+def test_finalized_trajectory_is_reported_not_redone(tmp_path, tiny_ckpt):
+    spec = _spec(tmp_path, tiny_ckpt, "w")
+    w = RolloutWorker(spec)
+    w.submit(_requests(1))
+    out = _drain(w)  # finishes and finalizes
+    w.close()
+    w2 = RolloutWorker(spec)
+    w2.submit(_requests(1))
+    rep = w2.run(4)
+    assert rep.already_final == list(out) and not rep.finished and rep.idle
+    w2.close()
