@@ -8,6 +8,7 @@ Frame on disk::
     FINALIZE    payload = u16 id_len | id
     ENV_INVOKE  payload = u64 seq | u16 id_len | u32 data_len | id | request
     ENV_RESULT  payload = u64 seq | u16 id_len | u32 data_len | id | response
+    ENV_RELEASE payload = u16 id_len | id
 
 All integers little-endian. CRC32C is google_crc32c (hardware-accelerated where the CPU has it).
 """
@@ -25,12 +26,15 @@ from wal.types import (
     ENV_INVOKE,
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
+    ENV_RELEASE,
     ENV_RESULT,
     FINALIZE,
     LOGPROB_BYTES,
     TOKEN_BYTES,
+    RECORD_TYPES,
     TOKENS,
     EnvInvokeRecord,
+    EnvReleaseRecord,
     EnvResultRecord,
     FinalizeRecord,
     Record,
@@ -124,6 +128,11 @@ def encode_env_result(lsn: int, sandbox_id: str, seq: int, response: bytes) -> b
     return _encode_env(ENV_RESULT, lsn, sandbox_id, seq, response)
 
 
+def encode_env_release(lsn: int, sandbox_id: str) -> bytes:
+    sid = _id_bytes(sandbox_id, "sandbox_id")
+    return _frame(BODY.pack(lsn, ENV_RELEASE) + ID_HEAD.pack(len(sid)) + sid)
+
+
 def encode(record: Record, lsn: int | None = None) -> bytes:
     """Encode a decoded record again (compaction copies records forward under a new lsn)."""
     lsn = record.lsn if lsn is None else lsn
@@ -135,6 +144,8 @@ def encode(record: Record, lsn: int | None = None) -> bytes:
         return encode_env_invoke(lsn, record.sandbox_id, record.seq, record.request)
     if isinstance(record, EnvResultRecord):
         return encode_env_result(lsn, record.sandbox_id, record.seq, record.response)
+    if isinstance(record, EnvReleaseRecord):
+        return encode_env_release(lsn, record.sandbox_id)
     raise CodecError(f"not a record: {record!r}")
 
 
@@ -154,11 +165,11 @@ def decode_body(body: bytes) -> Record:
             traj = body[off:off + id_len].decode("utf-8")
             view = memoryview(body)  # zero-copy slices; each record's views pin only its own body
             return TokensRecord(lsn, traj, start, version, view[off + id_len:tok_end], view[tok_end:])
-        if kind == FINALIZE:
+        if kind in (FINALIZE, ENV_RELEASE):
             (id_len,) = ID_HEAD.unpack_from(body, off)
             if off + ID_HEAD.size + id_len != len(body):
-                raise CodecError("finalize record length mismatch")
-            return FinalizeRecord(lsn, body[off + ID_HEAD.size:].decode("utf-8"))
+                raise CodecError("finalize/release record length mismatch")
+            return (FinalizeRecord if kind == FINALIZE else EnvReleaseRecord)(lsn, body[off + ID_HEAD.size:].decode("utf-8"))
         if kind in (ENV_INVOKE, ENV_RESULT):
             seq, id_len, data_len = ENV_HEAD.unpack_from(body, off)
             off += ENV_HEAD.size
@@ -253,7 +264,7 @@ def find_valid_after(buf: bytes, off: int, last_lsn: int) -> int | None:
         if body_len < BODY.size or body_len > MAX_BODY_BYTES or p + FRAME.size + body_len > n:
             continue
         lsn, kind = BODY.unpack_from(buf, p + FRAME.size)
-        if not (last_lsn < lsn <= last_lsn + MAX_LSN_JUMP) or kind not in (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT):
+        if not (last_lsn < lsn <= last_lsn + MAX_LSN_JUMP) or kind not in RECORD_TYPES:
             continue
         rec, _, err = read_frame(buf, p, None)
         if err is None:

@@ -6,7 +6,7 @@ recorded place is a ConflictError. Reads return durable entries only.
 """
 from __future__ import annotations
 
-from wal.errors import ConflictError, CorruptionError, GapError
+from wal.errors import ConflictError, CorruptionError, FinalizedError, GapError
 from wal.types import EnvEntry
 
 
@@ -22,9 +22,24 @@ class _Entry:
 class EnvIndex:
     def __init__(self) -> None:
         self.sandboxes: dict[str, list[_Entry]] = {}
+        self.released: set[str] = set()  # forgotten again when their release record is reclaimed
         self._replay: dict[str, dict[int, list]] = {}
 
+    def _check_live(self, sandbox_id: str) -> None:
+        if sandbox_id in self.released:
+            raise FinalizedError(f"sandbox {sandbox_id!r} was released; its log takes no more entries")
+
+    def release(self, sandbox_id: str) -> bool:
+        """Mark released and drop its entries; False if it already was."""
+        if sandbox_id in self.released:
+            return False
+        self.sandboxes.pop(sandbox_id, None)
+        self._replay.pop(sandbox_id, None)
+        self.released.add(sandbox_id)
+        return True
+
     def needs_invoke(self, sandbox_id: str, seq: int, request: bytes) -> bool:
+        self._check_live(sandbox_id)
         entries = self.sandboxes.get(sandbox_id, ())
         if seq < 0:
             raise GapError(f"sandbox {sandbox_id!r}: seq {seq} is negative")
@@ -38,6 +53,7 @@ class EnvIndex:
         return True
 
     def needs_result(self, sandbox_id: str, seq: int, response: bytes) -> bool:
+        self._check_live(sandbox_id)
         entries = self.sandboxes.get(sandbox_id, ())
         if not 0 <= seq < len(entries):
             raise GapError(f"sandbox {sandbox_id!r}: result for invocation {seq}, which is not recorded "
@@ -78,6 +94,8 @@ class EnvIndex:
 
     # --- recovery: records may arrive out of seq order (compaction copies them forward) ---
     def replay(self, kind: str, sandbox_id: str, seq: int, data: bytes, lsn: int) -> None:
+        if sandbox_id in self.released:
+            return  # a dead copy
         slot = self._replay.setdefault(sandbox_id, {}).setdefault(seq, [None, None])
         i = 0 if kind == "invoke" else 1
         if slot[i] is not None and slot[i] != data:

@@ -33,6 +33,12 @@ class EnvLog:
         """Durably record the result of invocation `seq` (after its invoke; exact repeats accepted)."""
         self._store.env_result(sandbox_id, seq, response)
 
+    def release(self, sandbox_id: str) -> None:
+        """Durably mark the sandbox done: its records become reclaimable and further invoke/result calls
+        raise FinalizedError (until retention reclaims the release record itself; then the id is forgotten).
+        Idempotent. Not needed for correctness; it keeps the disk bounded in long runs."""
+        self._store.env_release(sandbox_id)
+
     def get(self, sandbox_id: str, seq: int) -> EnvEntry | None:
         s = self._store
         with s.mutex:

@@ -22,7 +22,7 @@ from wal.envindex import EnvIndex
 from wal.errors import ConflictError, CorruptionError, GapError, WALError
 from wal.index import TokenIndex
 from wal.log import Log
-from wal.types import EnvInvokeRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
 
 
 class Store:
@@ -72,6 +72,8 @@ class Store:
             self.env.replay("invoke", rec.sandbox_id, rec.seq, rec.request, rec.lsn)
         elif isinstance(rec, EnvResultRecord):
             self.env.replay("result", rec.sandbox_id, rec.seq, rec.response, rec.lsn)
+        elif isinstance(rec, EnvReleaseRecord):
+            self.env.release(rec.sandbox_id)
 
     def _replay_tokens(self, rec: TokensRecord) -> None:
         try:
@@ -195,6 +197,15 @@ class Store:
                 self.env.apply_result(sandbox_id, seq, response, lsn)
         return self.log.commit()
 
+    def env_release(self, sandbox_id: str) -> int:
+        codec._id_bytes(sandbox_id, "sandbox_id")
+        with self.mutex:
+            self.log.check_open()
+            if sandbox_id not in self.env.released:
+                self.log.append_locked(lambda lsn: codec.encode_env_release(lsn, sandbox_id))
+                self.env.release(sandbox_id)
+        return self.log.commit()
+
     def commit(self) -> int:
         return self.log.commit()
 
@@ -202,7 +213,9 @@ class Store:
     def _live(self, rec: Record) -> bool:
         if isinstance(rec, TokensRecord):
             return rec.traj_id not in self.tokens.finalized
-        return not isinstance(rec, FinalizeRecord)
+        if isinstance(rec, (EnvInvokeRecord, EnvResultRecord)):
+            return rec.sandbox_id not in self.env.released
+        return False  # finalize and release records only matter while older records of their id exist
 
     def reclaim(self, lookahead: int = 16) -> int:
         """Delete or compact old segments now; returns how many segments were removed.
@@ -257,6 +270,8 @@ class Store:
             for r in recs:
                 if isinstance(r, FinalizeRecord):
                     self.tokens.finalized.discard(r.traj_id)
+                elif isinstance(r, EnvReleaseRecord):
+                    self.env.released.discard(r.sandbox_id)
             self.reclaimed_segments += 1
 
     def _reclaim_loop(self) -> None:
@@ -286,6 +301,7 @@ class Store:
                 "live_tokens": sum(t.length for t in trajs.values()),
                 "finalized_remembered": len(self.tokens.finalized),
                 "sandboxes": len(self.env.sandboxes),
+                "released_remembered": len(self.env.released),
                 "fsyncs": self.log.fsyncs,
                 "bytes_written": self.log.bytes_written,
                 "reclaimed_segments": self.reclaimed_segments,
@@ -308,6 +324,8 @@ def _frame_bytes(rec: Record) -> int:
         body = 9 + codec.TOKENS_HEAD.size + len(rec.traj_id.encode()) + len(rec.tokens) + len(rec.logprobs)
     elif isinstance(rec, FinalizeRecord):
         body = 9 + codec.ID_HEAD.size + len(rec.traj_id.encode())
+    elif isinstance(rec, EnvReleaseRecord):
+        body = 9 + codec.ID_HEAD.size + len(rec.sandbox_id.encode())
     else:
         data = rec.request if isinstance(rec, EnvInvokeRecord) else rec.response
         body = 9 + codec.ENV_HEAD.size + len(rec.sandbox_id.encode()) + len(data)

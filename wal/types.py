@@ -17,7 +17,8 @@ TOKENS = 1
 FINALIZE = 2
 ENV_INVOKE = 3
 ENV_RESULT = 4
-RECORD_TYPES = (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT)
+ENV_RELEASE = 5
+RECORD_TYPES = (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT, ENV_RELEASE)
 
 
 class TokensRecord(NamedTuple):
@@ -60,7 +61,14 @@ class EnvResultRecord(NamedTuple):
     response: bytes
 
 
-Record = TokensRecord | FinalizeRecord | EnvInvokeRecord | EnvResultRecord
+class EnvReleaseRecord(NamedTuple):
+    """The sandbox is done: its environment records may be reclaimed and it takes no more entries."""
+
+    lsn: int
+    sandbox_id: str
+
+
+Record = TokensRecord | FinalizeRecord | EnvInvokeRecord | EnvResultRecord | EnvReleaseRecord
 
 
 class EnvEntry(NamedTuple):

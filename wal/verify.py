@@ -5,7 +5,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from wal import codec, segments
-from wal.types import EnvInvokeRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
 
 
 def verify(directory: str | Path) -> dict:
@@ -56,6 +56,8 @@ def dump(directory: str | Path, traj_id: str) -> list[dict]:
                          "tokens": codec.unpack_tokens(rec.tokens), "logprobs": codec.unpack_logprobs(rec.logprobs)})
         elif isinstance(rec, FinalizeRecord) and rec.traj_id == traj_id:
             rows.append({"lsn": rec.lsn, "type": "finalize"})
+        elif isinstance(rec, EnvReleaseRecord) and rec.sandbox_id == traj_id:
+            rows.append({"lsn": rec.lsn, "type": "env_release"})
         elif isinstance(rec, (EnvInvokeRecord, EnvResultRecord)) and rec.sandbox_id == traj_id:
             kind = "env_invoke" if isinstance(rec, EnvInvokeRecord) else "env_result"
             data = rec.request if kind == "env_invoke" else rec.response

@@ -72,8 +72,18 @@ def main(argv: list[str], out=sys.stdout) -> None:
             w.finalize(done)
             del live[done]
             out.write(f"F {done}\n")
+        while len(seqs) < 3:
+            seqs[f"sb-{next_id}"] = 0
+            next_id += 1
+        if rng.random() < 0.02:  # a sandbox is done: release it (its records become reclaimable)
+            sb = rng.choice(sorted(seqs))
+            out.write(f"r {sb}\n")
+            out.flush()
+            env.release(sb)
+            del seqs[sb]
+            out.write(f"R {sb}\n")
         if rng.random() < 0.1:
-            sb = f"sb-{rng.randrange(3)}"
+            sb = rng.choice(sorted(seqs))
             seq = seqs.get(sb, 0)
             env.invoke(sb, seq, f"{sb} call {seq}".encode())
             env.result(sb, seq, f"{sb} result {seq}".encode())

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wal import codec
-from wal.types import EnvInvokeRecord, EnvResultRecord, FinalizeRecord, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, TokensRecord
 
 ids = st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) <= codec.MAX_ID_BYTES)
 lsns = st.integers(0, 2**63 - 1)
@@ -27,6 +27,7 @@ records = st.one_of(
     st.builds(FinalizeRecord, lsns, ids),
     st.builds(EnvInvokeRecord, lsns, ids, st.integers(0, 2**63 - 1), st.binary(max_size=300)),
     st.builds(EnvResultRecord, lsns, ids, st.integers(0, 2**63 - 1), st.binary(max_size=300)),
+    st.builds(EnvReleaseRecord, lsns, ids),
 )
 
 

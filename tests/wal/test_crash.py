@@ -78,6 +78,10 @@ def _note(line: str, acked: dict, finalized: set, env: dict) -> int:
         finalized.add(rest[0])
     if kind == "f":
         finalized.add("?" + rest[0])
+    if kind == "R":
+        env.setdefault("released", set()).add(rest[0])
+    if kind == "r":
+        env.setdefault("released", set()).add("?" + rest[0])
     if kind == "E":
         env[rest[0]] = max(env.get(rest[0], 0), int(rest[1]))
     return 0
@@ -101,8 +105,14 @@ def _check(directory: Path, acked: dict, finalized: set, env: dict) -> None:
         got = w.tokens(traj)
         assert got == [token(traj, p) for p in range(len(got))]
     envlog = w.envlog()
+    released = env.get("released", set())
     for sb, n in env.items():
+        if sb == "released":
+            continue
         entries = envlog.entries(sb)
+        if sb in released or ("?" + sb in released and entries == []):
+            assert entries == [], f"{sb} was released (acknowledged) but its entries are back"
+            continue
         assert len(entries) >= n
         assert [e.request for e in entries[:n]] == [f"{sb} call {i}".encode() for i in range(n)]
         assert [e.response for e in entries[:n]] == [f"{sb} result {i}".encode() for i in range(n)]
@@ -120,7 +130,10 @@ def _trial(tmp_path: Path, seed: int) -> None:
             acked[t] = max(acked.get(t, 0), k)
         finalized |= f
         for s, k in e.items():
-            env[s] = max(env.get(s, 0), k)
+            if s == "released":
+                env.setdefault("released", set()).update(k)
+            else:
+                env[s] = max(env.get(s, 0), k)
         _check(directory, acked, finalized, env)
 
 

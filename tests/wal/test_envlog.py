@@ -110,3 +110,28 @@ def test_second_process_open_is_refused(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     log.close()
+
+
+def test_release_forgets_a_sandbox_and_lets_retention_reclaim_it(tmp_path):
+    cfg = wal.WALConfig(segment_bytes=4096)
+    log = wal.open_envlog(tmp_path, cfg)
+    log.invoke("keep", 0, b"k")
+    log.invoke("gone", 0, b"g")
+    log.release("gone")
+    log.release("gone")  # idempotent
+    with pytest.raises(wal.FinalizedError):
+        log.invoke("gone", 1, b"after release")
+    assert log.entries("gone") == [] and log.get("gone", 0) is None
+    for i in range(200):
+        sid = f"sb{i}"
+        log.invoke(sid, 0, b"x" * 100)
+        log.result(sid, 0, b"y" * 100)
+        log.release(sid)
+    assert log.sandboxes() == ["keep"] and log.entries("sb1") == [] and log.get("sb1", 0) is None
+    log._store.reclaim()
+    stats = log.stats()
+    assert stats["reclaimed_segments"] > 5 and stats["disk_bytes"] < stats["bytes_written"] / 4
+    log.close()
+    log = wal.open_envlog(tmp_path, cfg)
+    assert log.sandboxes() == ["keep"] and log.entries("keep") == [wal.EnvEntry(0, b"k", None)]
+    log.close()
