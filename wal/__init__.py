@@ -1,7 +1,7 @@
 """wal: token-granular write-ahead log — record format, segments, group commit, recovery, retention,
 gRPC log service; also the per-sandbox environment log.
 
-    types.py      records (tokens, finalize, env invoke/result), EnvEntry, packed dtypes
+    types.py      records (tokens, finalize, env invoke/result/release), EnvEntry, packed dtypes
     errors.py     GapError, ConflictError, FinalizedError, CorruptionError, LogClosedError, …
     codec.py      pure frame codec: length + CRC32C, encode/decode, segment header, token packing
     segments.py   segment files, directory fsync, recovery scan (torn tail cut, corruption refused)
@@ -12,7 +12,7 @@ gRPC log service; also the per-sandbox environment log.
     config.py     WALConfig (log) and ServeConfig (gRPC service)
     base.py       TokenLog: the interface of the in-process and remote logs
     tokenwal.py   TokenWAL: the in-process backend
-    envlog.py     EnvLog: per-sandbox environment log (invoke/result, durable on return)
+    envlog.py     EnvLog: per-sandbox environment log (invoke/result/release, durable on return)
     verify.py     read-only scan for `postrain wal verify` / `dump`
     wal.proto     gRPC service; wal_pb2.py / wal_pb2_grpc.py are generated from it (grpcio-tools)
     server.py     gRPC log service (auth, bounded messages, streaming append with durable acks)

@@ -3,7 +3,7 @@
 TokenWAL and EnvLog are thin façades over a Store; both kinds of record share one log, one mutex
 and one group commit. Retention: after a segment rolls, a background thread looks at the oldest
 sealed segments; a segment with no live record (token records of unfinalized trajectories and
-environment records are live) is deleted; one with a small live fraction has its live records
+environment records of unreleased sandboxes are live) is deleted; one with a small live fraction has its live records
 copied to the head of the log (committed) and is then deleted. Only the oldest segment is ever
 removed, so a finalize record always outlives the token records it kills.
 """
