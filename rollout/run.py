@@ -44,8 +44,10 @@ def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int,
         dom = rewards.domain(domain)
     except rewards.UnknownDomain as exc:
         raise UserError(str(exc)) from None
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "config.json", json.dumps(cfg.model_dump(mode="json"), indent=2).encode())
+    from deploy.rundir import RunDir
+
+    rd = RunDir(out)
+    rd.save_config(cfg)
     requests = requests_for(domain, n, cfg)
     schedule = chaos_mod.schedule(chaos_seed, cfg.pool.workers, faults) if chaos_seed is not None else []
     sink = DataPlaneSink(str(out / "catalog.db"), str(out / "store"), run=out.name)
@@ -76,4 +78,8 @@ def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int,
         "tokens_committed": c["tokens_committed"], "replacements": res.replacements, "wall_s": round(wall, 3),
     }
     write_atomic(out / "report.json", json.dumps(report, indent=2).encode())
+    for i, t in enumerate(trajs):  # per-trajectory metrics (seed order) and their plot next to the report
+        rd.log(trajectory=i, length=t["length"], reward=t["reward"])
+    rd.log(summary=True, **{k: v for k, v in report.items() if isinstance(v, (int, float)) and v is not None})
+    rd.plot("trajectory", ["length", "reward"], "rollout.png", title=f"rollout {domain}: {len(trajs)}/{n} complete")
     return report

@@ -144,11 +144,15 @@ def decode(data: bytes | None, traj_id: str, wal_tokens: list[int], policy_versi
 
 
 _staging: dict[str, torch.Tensor] = {}
+_staging_busy: dict[str, object] = {}  # the CUDA event of the upload still reading the buffer
 
 
 def _staging_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     """A reused host buffer (page-locked when the KV goes to a GPU, so the upload is one fast DMA)."""
     key = "pinned" if pinned else "plain"
+    busy = _staging_busy.pop(key, None)
+    if busy is not None:  # the previous asynchronous upload must finish before the buffer is overwritten
+        busy.synchronize()
     buf = _staging.get(key)
     if buf is None or buf.numel() < nbytes:
         buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
@@ -191,7 +195,13 @@ def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
             ok = all(ex.map(one, range(len(h.checksums))))
         if not ok:
             raise SnapshotRejected("corrupt", "checksum mismatch")
-        buf = host.to(device, non_blocking=True) if cuda else host
+        if cuda:
+            buf = host.to(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            _staging_busy["pinned"] = done
+        else:
+            buf = host
         return h, _views(buf, h)
     finally:
         os.close(fd)

@@ -78,6 +78,7 @@ def test_chaos_run_completes_with_the_fault_free_hashes(tmp_path, tiny_ckpt):
              "--out", out, "--json", "--quiet", *SETS)
     report = _report(p)
     assert sum(report["faults_injected"].values()) == 3
+    assert (out / "rollout.png").is_file() and (out / "metrics.jsonl").is_file() and (out / "config.json").is_file()
     assert {t["id"]: t["token_hash"] for t in report["trajectories"]} == ref
     _check_outputs(out, report, n)
 
