@@ -271,8 +271,9 @@ def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = Fals
     static_ok = "engine_static_tokens_per_s" in out
     _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
                                               static=static_ok, fp=fp), on_progress)
-    _attempt(out, "wal_group4", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal4",
-                                                     static=static_ok, fp=fp, group_steps=4), on_progress)
+    for g in (4, 8):
+        _attempt(out, f"wal_group{g}", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / f"wal{g}",
+                                                            static=static_ok, fp=fp, group_steps=g), on_progress)
     ctxs = (2048, 8192, 32768) if not small else (256,)
     out["resume"] = []
     for c in ctxs:
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_vs_hf_generate_h200_b64": _target("engine_vs_hf_generate_h200_b64", gpu and gpu.get("engine_vs_hf_generate"), gpu_note),
         "reprefill_vs_kv_restore_32k": _target("reprefill_vs_kv_restore_32k", r32, gpu_note),
         "wal_overhead_share_b64_h200": _target("wal_overhead_share_b64_h200", gpu and gpu.get("wal", {}).get("wal_overhead_share"),
-                                               gpu_note or "one WAL commit per decode step (group_steps=1); gpu.wal_group4 commits every 4 steps"),
+                                               gpu_note or "one WAL commit per decode step (group_steps=1); gpu.wal_group4/8 commit every 4/8 steps"),
     }
     text = json.dumps(res, indent=2)
     print(text)
