@@ -186,3 +186,28 @@ def test_finalized_trajectory_is_reported_not_redone(tmp_path, tiny_ckpt):
     rep = w2.run(4)
     assert rep.already_final == list(out) and not rep.finished and rep.idle
     w2.close()
+
+
+def test_resume_through_the_wal_service(tmp_path, tiny_ckpt, reference):
+    """The cluster path: workers log to `postrain wal serve` over gRPC instead of an in-process WAL."""
+    from wal.config import ServeConfig
+    from wal.server import Server
+
+    srv = Server(tmp_path / "served", ServeConfig(port=0), token="t0k")
+    try:
+        spec = _spec(tmp_path, tiny_ckpt, "w")
+        spec.wal_addr, spec.wal_token = srv.address, "t0k"
+        w = RolloutWorker(spec)
+        w.submit(_requests(3))
+        for _ in range(6):
+            w.run(1)
+        w.preempt()
+        w2 = RolloutWorker(spec)
+        w2.submit(_requests(3))
+        out = _drain(w2)
+        w2.close()
+        _check(out, reference)
+        assert w2.counters["kv_restore"] >= 1
+        assert srv.wal.trajectories() == []  # all finalized on the service
+    finally:
+        srv.stop()
