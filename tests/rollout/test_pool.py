@@ -6,7 +6,6 @@ import signal
 import threading
 import time
 
-import pytest
 
 import wal
 from rollout.chaos import Fault
