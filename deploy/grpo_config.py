@@ -26,6 +26,8 @@ class LoopConfig(Config):
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals (0 = only first and last)")
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints (the last is always saved)")
     chaos_faults: int = Field(2, ge=0, le=1000, description="faults injected into each iteration's rollouts under --chaos")
+    prompt_pool: int = Field(0, ge=0, le=100_000_000, description="distinct train prompts cycled through in order "
+                                                                  "(a fixed prompt set); 0 = fresh prompts every iteration")
     seed: int = Field(0, ge=0, description="prompt draw seed (prompts of iteration k are a pure function of it and k)")
     catalog: str = Field("", description="data-plane catalog (SQLite path or PostgreSQL URL); empty = OUT/dataplane/catalog.db")
     store: str = Field("", description="data-plane shard store (dir or pyarrow.fs URI); empty = OUT/dataplane/store")

@@ -55,7 +55,12 @@ def make_requests(cfg: GRPOLoopConfig, domain: str, iteration: int) -> list:
     s, lp = cfg.sampling, cfg.loop
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
                             stop=("</call>",) if dom.uses_tools else ())
-    prompts = dom.prompts("train", lp.prompts_per_iteration, lp.seed * 1_000_003 + iteration)
+    if lp.prompt_pool:
+        pool = dom.prompts("train", lp.prompt_pool, lp.seed)
+        first = iteration * lp.prompts_per_iteration
+        prompts = [pool[(first + j) % len(pool)] for j in range(lp.prompts_per_iteration)]
+    else:
+        prompts = dom.prompts("train", lp.prompts_per_iteration, lp.seed * 1_000_003 + iteration)
     return [Request(f"{domain}-{batch_name(iteration)}-p{j:04d}-g{g:03d}", domain, p, params)
             for j, p in enumerate(prompts) for g in range(lp.group_size)]
 
@@ -108,7 +113,8 @@ class GRPOLoop:
     """`postrain grpo` as an object: `run()` trains `iterations` iterations (in total, across resumes)."""
 
     def __init__(self, cfg: GRPOLoopConfig, domain: str, init: str | Path, out: str | Path, iterations: int,
-                 chaos_seed: int | None = None, resume: bool = False, quiet: bool = False):
+                 chaos_seed: int | None = None, resume: bool = False, quiet: bool = False,
+                 stop_after: int | None = None):
         check_config(cfg)
         try:
             self.dom = rewards.domain(domain)
@@ -119,7 +125,9 @@ class GRPOLoop:
         if not (Path(init) / "config.json").is_file():
             raise UserError(f"grpo: no HF checkpoint at {init} (config.json missing); pass e.g. OUT/final of `postrain sft`")
         self.cfg, self.domain, self.init, self.iterations = cfg, domain, Path(init), iterations
-        self.chaos_seed, self.quiet = chaos_seed, quiet
+        if stop_after is not None and not 1 <= stop_after <= iterations:
+            raise UserError(f"grpo: --stop-after {stop_after} must lie in 1..--iterations ({iterations})")
+        self.chaos_seed, self.quiet, self.stop_after = chaos_seed, quiet, stop_after
         self.out = Path(out)
         self._prepare_out(resume)
         self.run = RunDir(self.out)
@@ -173,6 +181,9 @@ class GRPOLoop:
                 self._truncate_metrics(start)
                 self._drop_incomplete_batches(start)
                 self.pool.update_weights(self.group.weights(), self.group.policy_version)
+            elif self.run.metrics_path.exists():  # resumed before the first checkpoint: start over
+                self._truncate_metrics(-1)
+                self._drop_incomplete_batches(0)
             self.eval_model, self.tok = load_policy(self.init)
             return self._iterate(start)
         finally:
@@ -187,7 +198,7 @@ class GRPOLoop:
         last_eval = None
         if start == 0:
             last_eval = self._evaluate(0, self.group.weights())
-        roll = None
+        roll, done = None, start
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if lp.async_rollouts else None
         try:
             for k in range(start, self.iterations):
@@ -213,20 +224,25 @@ class GRPOLoop:
                 done = k + 1
                 if (lp.eval_every and done % lp.eval_every == 0) or done == self.iterations:
                     last_eval = self._evaluate(done, weights)
-                if done % lp.checkpoint_every == 0 or done == self.iterations:
+                stop = done == self.stop_after
+                if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
                     self.group.save_checkpoint(self.run.checkpoints, done)
                 roll = nxt
+                if stop:
+                    break
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
         from learner.policy import save_policy
 
-        self.eval_model.load_state_dict(self.group.weights())
-        final = save_policy(self.eval_model, self.tok, self.out / "final")
+        final = None
+        if done == self.iterations:
+            self.eval_model.load_state_dict(self.group.weights())
+            final = str(save_policy(self.eval_model, self.tok, self.out / "final"))
         self.run.plot("iteration", ["reward_mean", "solve_rate", "eval_pass_at_1"], "grpo.png",
                       title=f"GRPO on {self.domain}")
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
-        return {"out": str(self.out), "final": str(final), "iterations": self.iterations,
+        return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
                 "last_eval": last_eval}
 
@@ -240,13 +256,14 @@ class GRPOLoop:
         faults = []
         if self.chaos_seed is not None and self.cfg.loop.chaos_faults:
             faults = chaos_mod.schedule(self.chaos_seed * 1_000_003 + k, self.cfg.pool.workers, self.cfg.loop.chaos_faults)
-        before = self.pool.replacements
+        # The pool's fault and replacement counters are cumulative over its life: report this batch's.
+        before, faults_before = self.pool.replacements, sum(self.pool.faults.values())
         self.sink.start(batch_name(k))
         res = self.pool.run(requests, faults)
         if len(res.finished) != len(requests):
             raise RuntimeError(f"grpo: iteration {k}: {len(res.finished)} of {len(requests)} rollouts finished")
         return {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished),
-                "faults": int(sum(res.faults.values())), "replacements": res.replacements - before,
+                "faults": int(sum(res.faults.values())) - faults_before, "replacements": res.replacements - before,
                 "tokens_lost": res.tokens_lost, "tokens_resampled": res.tokens_resampled}
 
     def _complete(self, k: int) -> bool:
@@ -322,5 +339,6 @@ class GRPOLoop:
 
 
 def run_grpo(cfg: GRPOLoopConfig, domain: str, init: str | Path, out: str | Path, iterations: int,
-             chaos_seed: int | None = None, resume: bool = False, quiet: bool = False) -> dict:
-    return GRPOLoop(cfg, domain, init, out, iterations, chaos_seed, resume, quiet).run_loop()
+             chaos_seed: int | None = None, resume: bool = False, quiet: bool = False,
+             stop_after: int | None = None) -> dict:
+    return GRPOLoop(cfg, domain, init, out, iterations, chaos_seed, resume, quiet, stop_after).run_loop()

@@ -12,6 +12,8 @@ def add_arguments(p):
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/")
     p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
+    p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed "
+                   "(as a preempted job would; one-step-off rollouts of K+1 are already in the data plane); continue with --resume")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_config_args(p)
 
@@ -24,9 +26,11 @@ def run(args) -> int:
 
     cfg = config.load(GRPOLoopConfig, args.config or default_config("grpo_loop"), list(args.overrides))
     summary = run_grpo(cfg, args.domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
-                       resume=args.resume, quiet=args.quiet)
+                       resume=args.resume, quiet=args.quiet, stop_after=args.stop_after)
     if not args.quiet:
         evals = ", ".join(f"{e['iteration']}: {e['pass_at_1']:.3f}" for e in summary["eval"])
-        print(f"grpo {args.domain}: eval pass@1 by iteration {{{evals}}}; final policy {summary['final']}, "
+        where = (f"final policy {summary['final']}" if summary["final"] else
+                 f"stopped after {summary['iterations_done']} of {summary['iterations']} iterations (continue with --resume)")
+        print(f"grpo {args.domain}: eval pass@1 by iteration {{{evals}}}; {where}, "
               f"metrics {args.out}/metrics.jsonl, curve {args.out}/grpo.png")
     return 0
