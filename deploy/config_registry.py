@@ -13,6 +13,7 @@ SHIPPED: dict[str, str] = {
     "grpo": "learner.grpo_config:GRPOConfig",
     "rollout": "rollout.config:RolloutConfig",
     "dataplane": "dataplane.config:DataPlaneConfig",
+    "grpo_loop": "deploy.grpo_config:GRPOLoopConfig",
 }
 
 
