@@ -252,14 +252,16 @@ def iter_frames(buf: bytes, off: int, expect_lsn: int | None) -> Iterator[tuple[
         expect_lsn = rec.lsn + 1
 
 
-def find_valid_after(buf: bytes, off: int, last_lsn: int) -> int | None:
-    """The first offset > `off` where a checksum-valid frame with a later lsn starts, else None.
+def find_valid_after(buf: bytes, off: int, last_lsn: int, stop: int | None = None) -> int | None:
+    """The first offset > `off` (and < `stop`, when given) where a checksum-valid frame with a later lsn
+    starts, else None. (A frame starting at or after the last non-zero byte has a zero length: invalid.)
 
     Used to tell a torn tail (nothing valid follows) from corruption in the middle (valid records
     follow the bad one). Cheap header checks reject almost every offset before any CRC is computed.
     """
     n = len(buf)
-    for p in range(off + 1, n - FRAME.size - BODY.size + 1):
+    hi = n - FRAME.size - BODY.size + 1
+    for p in range(off + 1, hi if stop is None else min(hi, stop)):
         body_len, _ = FRAME.unpack_from(buf, p)
         if body_len < BODY.size or body_len > MAX_BODY_BYTES or p + FRAME.size + body_len > n:
             continue

@@ -7,6 +7,13 @@ while the others keep appending; followers wake when the durable lsn passes thei
 those still behind leads the next flush. A single writer therefore pays no thread hand-off, and N
 concurrent writers share one fsync.
 
+Commit I/O: one `pwrite` of the joined batch at the write position, then `fdatasync` — the segment
+is zero-filled ahead of the write position (`preallocate_bytes` at a time, fsynced once), so a commit
+overwrites existing blocks and changes no metadata that fdatasync would have to journal. When the batch
+runs past the preallocated end, the next extent is zero-filled in the same flush and a full `fsync`
+makes the new size durable too. A segment that reaches the cap is truncated to its last record and
+fsynced (sealed) before the next one is created (preallocated, see segments.py).
+
 A failed write or fsync poisons the log (after a failed fsync the kernel may have dropped the dirty
 pages, so the durable state is unknown): every later call raises LogClosedError; reopen to recover.
 """
@@ -18,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from wal import segments
+from wal import codec, segments
 from wal.errors import LockedError, LogClosedError
 from wal.segments import ScanReport
 from wal.types import Record
@@ -26,7 +33,7 @@ from wal.types import Record
 
 class Log:
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
-                 repair: bool = False, on_roll: Callable[[], None] | None = None):
+                 repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20):
         self.directory = Path(directory)
         if not self.directory.exists():
             self.directory.mkdir(parents=True)
@@ -34,20 +41,28 @@ class Log:
         elif not self.directory.is_dir():
             raise NotADirectoryError(f"WAL path {self.directory} exists and is not a directory")
         self._lock_fd = _lock_directory(self.directory)
+        self.segment_bytes = segment_bytes
+        self.preallocate_bytes = preallocate_bytes
         try:
             self.report: ScanReport = segments.scan(self.directory, on_record, mutate=True, repair=repair)
             self._segments = segments.list_segments(self.directory)
             if not self._segments:
                 base = self.report.next_lsn
-                os.close(segments.create_segment(self.directory, base))
+                self._fd = segments.create_segment(self.directory, base, self._first_extent())
                 self._segments = [(base, self.directory / segments.segment_name(base))]
-            self._fd = os.open(self._segments[-1][1], os.O_WRONLY | os.O_APPEND)
+                self._pos = codec.SEGMENT_HEAD_BYTES
+            else:
+                self._fd = os.open(self._segments[-1][1], os.O_WRONLY)
+                self._pos = self.report.tail_offset
             os.fsync(self._fd)  # what a killed writer left in the page cache becomes durable before we build on it
+            self._alloc = os.fstat(self._fd).st_size  # zero-filled and durable up to here
+            if self._pos > self._alloc or self._pos < codec.SEGMENT_HEAD_BYTES:
+                raise AssertionError(f"WAL {self.directory}: write position {self._pos} outside the segment ({self._alloc} bytes)")
         except BaseException:
+            if getattr(self, "_fd", None) is not None:
+                os.close(self._fd)
             os.close(self._lock_fd)
             raise
-        self._size = os.fstat(self._fd).st_size
-        self.segment_bytes = segment_bytes
         self.mutex = threading.Lock()
         self._cv = threading.Condition(self.mutex)
         self._on_roll = on_roll
@@ -121,14 +136,24 @@ class Log:
         self._cv.release()
         try:
             data = b"".join(frames)
-            segments.write_all(self._fd, data)
-            os.fsync(self._fd)
-            self._size += len(data)
-            if self._size >= self.segment_bytes:
+            end = self._pos + len(data)
+            segments.pwrite_all(self._fd, data, self._pos)
+            if end <= self._alloc:
+                os.fdatasync(self._fd)  # overwrote preallocated blocks: data only, no size change
+            else:  # past the preallocated end: reserve the next extent in the same flush, size made durable
+                alloc = max(end, min(end + self.preallocate_bytes, self.segment_bytes))
+                segments.zero_fill(self._fd, end, alloc)
+                os.fsync(self._fd)
+                self._alloc = alloc
+            self._pos = end
+            if end >= self.segment_bytes:
                 rolled = last + 1
-                new_fd = segments.create_segment(self.directory, rolled)
+                if self._alloc > end:  # seal: drop the unused reserve, durably, before the next segment exists
+                    os.ftruncate(self._fd, end)
+                    os.fsync(self._fd)
+                new_fd = segments.create_segment(self.directory, rolled, self._first_extent())
                 os.close(self._fd)
-                self._fd, self._size = new_fd, os.fstat(new_fd).st_size
+                self._fd, self._pos, self._alloc = new_fd, codec.SEGMENT_HEAD_BYTES, os.fstat(new_fd).st_size
         except BaseException as exc:
             self._cv.acquire()
             self._flushing = False
@@ -145,6 +170,10 @@ class Log:
         self._cv.notify_all()
         if rolled is not None and self._on_roll is not None:
             self._on_roll()
+
+    def _first_extent(self) -> int:
+        """Size of a new segment file: header plus the first preallocated extent, within the cap."""
+        return min(codec.SEGMENT_HEAD_BYTES + self.preallocate_bytes, max(self.segment_bytes, 0))
 
     # --- segments (retention) ---
     def sealed_segments(self) -> list[tuple[int, Path]]:

@@ -5,9 +5,19 @@ frames with consecutive lsns; the next segment starts at the previous one's last
 keeps every byte that recovery cut off, for inspection. `LOCK` is held (flock) by the one process
 that has the log open.
 
-Recovery rule: a bad frame at the end of the *last* segment with nothing valid after it is a torn
-tail (an append that never completed): it is cut and kept aside. A bad frame followed by valid ones,
-or any damage in an earlier segment, is corruption: `scan` raises CorruptionError unless `repair`.
+Preallocation: the active segment is kept zero-filled (and fsynced) ahead of the write position, so a
+commit overwrites blocks that already exist and `fdatasync` flushes data only, with no file-size
+change to journal. A new segment is built as `<name>.tmp` (header + zeros, fsynced) and renamed into
+place, so a segment file is never half-preallocated; a `.tmp` left by a crash is deleted on open.
+When a segment is sealed (roll) it is truncated to its last record.
+
+Recovery rule: after the last good frame of a segment, all-zero bytes (the preallocated region, even
+just a zero frame header at the very end) are the clean end of the segment; in a sealed segment the
+next segment's base lsn must then follow on, so zeroed-out records there are still caught as a gap.
+Non-zero bytes after the last good frame at the end of the *last* segment with nothing valid after them
+are a torn tail (an append that never completed): cut (up to the last non-zero byte) and kept aside.
+A bad frame followed by valid ones (even when the bad frame is a zero header), or any damage in an
+earlier segment, is corruption: `scan` raises CorruptionError unless `repair`.
 """
 from __future__ import annotations
 
@@ -19,12 +29,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from wal import codec
 from wal.errors import CorruptionError
 from wal.types import Record
 
 SEGMENT_RE = re.compile(r"^(\d{20})\.seg$")
 TORN_DIR = "torn"
+TMP_SUFFIX = ".tmp"  # a segment being built; never part of the log
+_ZEROS = bytes(1 << 20)
 
 
 def segment_name(base_lsn: int) -> str:
@@ -48,13 +62,20 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def create_segment(directory: Path, base_lsn: int) -> int:
-    """Create a segment whose header is durable, and make its directory entry durable; returns an fd."""
+def create_segment(directory: Path, base_lsn: int, size: int = 0) -> int:
+    """Create a segment (header, then zeros up to `size` bytes) that is durable as a whole before its
+    name appears: built as `<name>.tmp`, fsynced, renamed, directory fsynced. Returns a write fd."""
     path = directory / segment_name(base_lsn)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+    if path.exists():
+        raise FileExistsError(17, "segment already exists", str(path))
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        write_all(fd, codec.encode_segment_header(base_lsn))
+        head = codec.encode_segment_header(base_lsn)
+        pwrite_all(fd, head, 0)
+        zero_fill(fd, len(head), size)
         os.fsync(fd)
+        os.rename(tmp, path)
         fsync_dir(directory)
     except BaseException:
         os.close(fd)
@@ -62,11 +83,42 @@ def create_segment(directory: Path, base_lsn: int) -> int:
     return fd
 
 
-def write_all(fd: int, data: bytes) -> None:
+def remove_temporaries(directory: Path) -> None:
+    """Delete segments that were being built when a writer died (never renamed into the log)."""
+    stale = [e.path for e in os.scandir(directory) if e.name.endswith(".seg" + TMP_SUFFIX)]
+    for p in stale:
+        os.unlink(p)
+    if stale:
+        fsync_dir(directory)
+
+
+def pwrite_all(fd: int, data, offset: int) -> None:
     view = memoryview(data)
     while view:
-        n = os.write(fd, view)
-        view = view[n:]
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def zero_fill(fd: int, start: int, end: int) -> None:
+    """Write zeros over [start, end) (allocating real, written blocks; the caller fsyncs)."""
+    while start < end:
+        n = min(len(_ZEROS), end - start)
+        pwrite_all(fd, memoryview(_ZEROS)[:n], start)
+        start += n
+
+
+def nonzero_end(buf, off: int) -> int:
+    """One past the last non-zero byte at or after `off`; `off` when buf[off:] is all zeros."""
+    n = len(buf)
+    if off >= n:
+        return off
+    arr = np.frombuffer(buf, dtype=np.uint8, count=n - off, offset=off)
+    try:
+        if not arr.any():
+            return off
+        return off + int(np.flatnonzero(arr)[-1]) + 1
+    finally:
+        del arr  # release the buffer export so an mmap can be closed
 
 
 @dataclass
@@ -76,7 +128,9 @@ class ScanReport:
     directory: str
     segments: int = 0
     records: int = 0
-    bytes: int = 0
+    bytes: int = 0  # header and record bytes (zero preallocation not counted)
+    preallocated_bytes: int = 0  # zero bytes after the last record (the active segment's reserve)
+    tail_offset: int = 0  # where the last scanned segment's records end: the next append goes here
     first_lsn: int | None = None
     next_lsn: int = 0
     torn_bytes_cut: int = 0
@@ -125,6 +179,8 @@ def scan(directory: Path, on_record: Callable[[Record], None], *, mutate: bool, 
     """
     directory = Path(directory)
     report = ScanReport(directory=str(directory))
+    if mutate:
+        remove_temporaries(directory)
     segs = list_segments(directory)
     for i, (base, path) in enumerate(segs):
         buf = _read(path)
@@ -171,15 +227,24 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
     report.records += count
     expect = base + count
     report.next_lsn = expect
+    report.tail_offset = end
     if end == len(buf):
         return True
+    stop = nonzero_end(buf, end)
+    if stop == end:  # only zeros after the last record: the clean end of a preallocated segment
+        report.bytes -= len(buf) - end
+        if last:
+            report.preallocated_bytes = len(buf) - end
+        elif mutate:
+            _truncate(path, end)  # sealed, but the roll's truncate did not happen before a crash
+        return True
     _, _, why = codec.read_frame(buf, end, expect)
-    follows = codec.find_valid_after(buf, end, expect - 1) is not None
+    follows = codec.find_valid_after(buf, end, expect - 1, stop) is not None
     if last and not follows:
-        report.torn_bytes_cut += len(buf) - end
+        report.torn_bytes_cut += stop - end
         report.bytes -= len(buf) - end
         if mutate:
-            report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:])))
+            report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:stop])))
             _truncate(path, end)
         return False
     _corrupt(report, directory, segs[i + 1:], path, end, why, follows, mutate, repair, buf)

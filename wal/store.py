@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wal import codec
+from wal import codec, segments
 from wal.config import WALConfig
 from wal.envindex import EnvIndex
 from wal.errors import ConflictError, CorruptionError, GapError, WALError
@@ -35,7 +35,7 @@ class Store:
         self._reclaim_wanted = threading.Event()
         self._stop = threading.Event()
         self.log = Log(path, segment_bytes=self.config.segment_bytes, on_record=self._replay, repair=repair,
-                       on_roll=self._reclaim_wanted.set)
+                       on_roll=self._reclaim_wanted.set, preallocate_bytes=self.config.preallocate_bytes)
         try:
             self._finish_replay(repair)
         except BaseException:
@@ -253,7 +253,8 @@ class Store:
     def _segment_records(self, base: int, path: Path) -> list[Record]:
         buf = path.read_bytes()
         recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
-        if recs and sum(_frame_bytes(r) for r in recs) + codec.SEGMENT_HEAD_BYTES != len(buf):
+        end = sum(_frame_bytes(r) for r in recs) + codec.SEGMENT_HEAD_BYTES
+        if recs and segments.nonzero_end(buf, end) != end:  # only zeros may follow (a crash before the roll's truncate)
             raise CorruptionError(f"sealed segment {path} does not decode to its end; run `postrain wal verify`")
         return recs
 

@@ -160,13 +160,15 @@ def test_cli_verify_and_dump(tmp_path):
     w.commit()
     w.finalize("b")
     w.close()
-    with open(segments.list_segments(tmp_path)[-1][1], "ab") as f:
-        f.write(b"\x07\x00\x00")  # a torn tail
+    end = segments.scan(tmp_path, lambda rec: None, mutate=False).tail_offset  # the zero-filled reserve follows
+    with open(segments.list_segments(tmp_path)[-1][1], "r+b") as f:
+        f.seek(end)
+        f.write(b"\x07\x00\x00\x05")  # a torn tail
     r = _cli("verify", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["records"] == 3 and report["trajectories"] == 1 and report["finalized"] == 1
-    assert report["tokens"] == 3 and report["torn_bytes_cut"] == 3 and report["corruption"] == [] and report["segments"] == 1
+    assert report["tokens"] == 3 and report["torn_bytes_cut"] == 4 and report["corruption"] == [] and report["segments"] == 1
     r = _cli("dump", str(tmp_path), "--traj", "a")
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert rows == [{"lsn": 0, "type": "tokens", "start": 0, "policy_version": 0, "tokens": [1, 2], "logprobs": [-1.0, -2.0]}]
@@ -207,6 +209,7 @@ def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch)
         raise OSError(5, "Input/output error (injected)")
 
     monkeypatch.setattr(os, "fsync", broken)
+    monkeypatch.setattr(os, "fdatasync", broken)  # commits within the preallocated reserve use fdatasync
     w.append("t", 2, [3], [-3.0], 0)
     with pytest.raises(wal.LogClosedError, match="injected"):
         w.commit()
@@ -214,7 +217,7 @@ def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch)
         w.append("t", 3, [4], [-4.0], 0)
     with pytest.raises(wal.LogClosedError):
         w.tokens("t")
-    monkeypatch.setattr(os, "fsync", real_fsync)
+    monkeypatch.undo()
     w.close()
     w = wal.open(tmp_path)
     got = w.tokens("t")
