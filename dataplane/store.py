@@ -30,8 +30,14 @@ def _fsync_dir(path: str) -> None:
 class MappedShard:
     """An open shard: its record batch (views of the map) and the map itself."""
 
-    def __init__(self, path: str, mm: mmap.mmap | None, source, batch: pa.RecordBatch):
+    def __init__(self, path: str, mm: mmap.mmap | None, source, batch: pa.RecordBatch, file=None, address: int = 0):
         self.path, self.mm, self.source, self.batch = path, mm, source, batch
+        self.file = file  # local shards: the open file, for `pread` into caller buffers
+        self.address = address  # of the file's byte 0 in the map
+
+    def file_offset(self, view) -> int:
+        """Byte offset in the file of a numpy view of this shard's map."""
+        return view.__array_interface__["data"][0] - self.address
 
     def drop_pages(self) -> None:
         """Unmap this process's pages of the file (the page cache keeps them): bounds RSS while open."""
@@ -42,6 +48,9 @@ class MappedShard:
         self.batch = None
         self.source.close()
         self.source = None
+        if self.file is not None:
+            self.file.close()
+            self.file = None
         if self.mm is not None:
             try:
                 self.mm.close()
@@ -110,20 +119,25 @@ class ShardStore:
         """Open a shard: memory-mapped (zero-copy) on local disks, else read through pyarrow.fs."""
         path = self.full_path(rel)
         what = f"shard file {path}" + (f" (needed by {who})" if who else "")
-        mm = None
+        mm = f = None
+        address = 0
         try:
             if self.use_mmap:
                 # Python's mmap, not pa.memory_map: Arrow advises WILLNEED on every read of a map, which
                 # costs ~1 ms per shard opened; and Python's map can drop its pages (MADV_DONTNEED).
-                with open(path, "rb") as f:
-                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-                source = pa.BufferReader(pa.py_buffer(mm))
+                # The file stays open: the loader `pread`s heavy ranges into its own buffers.
+                f = open(path, "rb", buffering=0)
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                whole = pa.py_buffer(mm)
+                address = whole.address
+                source = pa.BufferReader(whole)
             else:
                 source = self.fs.open_input_file(path)
         except FileNotFoundError:
             raise ShardMissingError(f"{what} does not exist: deleted, moved, or wrong store root "
                                     f"{self.root!r}?") from None
         except ValueError as exc:  # mmap of an empty file
+            f.close()
             raise ChecksumError(f"{what} is not a readable shard (corrupt or truncated): {exc}") from None
         try:
             reader = ipc.open_file(source)
@@ -132,8 +146,10 @@ class ShardStore:
             batch = reader.get_batch(0)
         except (pa.ArrowInvalid, OSError) as exc:
             source.close()
+            if f is not None:
+                f.close()
             raise ChecksumError(f"{what} is not a readable shard (corrupt or truncated): {exc}") from None
-        return MappedShard(path, mm, source, batch)
+        return MappedShard(path, mm, source, batch, f, address)
 
     @contextmanager
     def open(self, rel: str, who: str = ""):

@@ -1,10 +1,15 @@
 """Streaming loader: iterate a plan one minibatch at a time for one rank, reading only the rows and
-token ranges it names (memory-mapped, zero-copy until packing), into packed torch tensors. A background
-thread builds the next minibatch; at most `prefetch` + 1 minibatches are alive (the one in use and the
-ones ahead), output buffers are reused once released, and the pages of the shard maps are dropped
-after each minibatch, so peak memory stays near two minibatches whatever the dataset size."""
+token ranges it names into packed torch tensors. Shard footers, ids and offsets are read through the
+map; heavy ranges are `pread` from the file straight into reused output buffers (local stores: the
+page cache copies once, no page faults on the map) or copied from the in-memory batch (remote
+stores). Token ids are gathered as stored (int32) and widened to int64 in one pass per minibatch; a
+row's crc32c is checked over the very bytes delivered. A background thread builds the next
+minibatch; at most `prefetch` + 1 minibatches are alive (the one in use and the ones ahead), output
+buffers are reused once released, and the pages of the shard maps are dropped after each minibatch,
+so peak memory stays near two minibatches whatever the dataset size."""
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -16,7 +21,7 @@ import torch
 
 from dataplane.codec import CORE_DTYPES, EXTRA_PREFIX, decode
 from dataplane.errors import ChecksumError, DataPlaneError, StaleRowError
-from dataplane.store import ShardStore
+from dataplane.store import MappedShard, ShardStore
 from dataplane.types import Batch, Plan
 
 _END = object()
@@ -42,7 +47,8 @@ class OpenShards:
             self.open.move_to_end(rel)
             return self.open[rel][1]
         shard = self.store.map(rel, who)
-        self.open[rel] = (shard, decode(shard.batch))
+        id_col, cols = decode(shard.batch)
+        self.open[rel] = (shard, (id_col, cols, RangeReader(shard, cols)))
         return self.open[rel][1]
 
     def drop_pages(self) -> None:
@@ -58,6 +64,36 @@ class OpenShards:
             _, (shard, decoded) = self.open.popitem(last=False)
             del decoded
             shard.close()
+
+
+def _ro_u8(arr: np.ndarray) -> np.ndarray:
+    """Read-only uint8 view (what google_crc32c accepts without a copy)."""
+    v = arr.reshape(-1).view(np.uint8)
+    v.flags.writeable = False
+    return v
+
+
+class RangeReader:
+    """Reads token ranges [lo, hi) (absolute rows of the column) of one shard's heavy columns into a
+    caller's contiguous buffer: `pread` at the column's file offset where the shard is a local file,
+    else a copy from the batch in memory. Returns the bytes read."""
+
+    def __init__(self, shard: MappedShard, cols: dict):
+        self.path, self.cols = shard.path, cols
+        self.fd = shard.file.fileno() if shard.file is not None else None
+        self.stride = {n: c.values.itemsize * c.spec.width for n, c in cols.items()}
+        self.at = {n: shard.file_offset(c.values) for n, c in cols.items()} if self.fd is not None else {}
+
+    def read(self, name: str, lo: int, hi: int, dst: np.ndarray, who: str) -> int:
+        if self.fd is None:  # bytes as stored, whatever the buffer's dtype and shape
+            np.copyto(dst.reshape(-1).view(np.uint8), self.cols[name].values[lo:hi].reshape(-1).view(np.uint8))
+            return dst.nbytes
+        want = (hi - lo) * self.stride[name]
+        got = os.preadv(self.fd, [dst], self.at[name] + lo * self.stride[name])
+        if got != want:
+            raise ChecksumError(f"{who} (shard file {self.path}): read {got} of {want} bytes of {name!r}: the "
+                                "shard is truncated or corrupt")
+        return got
 
 
 class BufferPool:
@@ -76,17 +112,22 @@ class BufferPool:
         key = (name, np.dtype(dtype).str, tuple(shape))
         with self.lock:
             bufs = self.free.setdefault(key, [])
-            for i, buf in enumerate(bufs):
-                if sys.getrefcount(buf) <= 3 and buf.shape[0] >= n:  # the list, `buf`, getrefcount's argument
-                    return buf[:n]
+            idle = [i for i in range(len(bufs)) if self._idle(bufs, i)]
+            for i in idle:
+                if bufs[i].shape[0] >= n:
+                    return bufs[i][:n]
             buf = np.empty((max(n, self.capacity, 1), *shape), dtype=dtype)
             if len(bufs) < self.limit:
                 bufs.append(buf)
-            else:  # replace a free one that is too small, else hand out an unpooled array
-                small = [i for i, b in enumerate(bufs) if sys.getrefcount(b) <= 3]
-                if small:
-                    bufs[small[0]] = buf
+            elif idle:  # replace a free one that is too small, else hand out an unpooled array
+                bufs[idle[0]] = buf
             return buf[:n]
+
+    @staticmethod
+    def _idle(bufs: list, i: int) -> bool:
+        """Nothing but the pool refers to bufs[i]: the list and getrefcount's argument. (Not through a
+        loop variable: `enumerate` keeps its last tuple alive, one more reference.)"""
+        return sys.getrefcount(bufs[i]) <= 2
 
 
 def _tensor(arr: np.ndarray, logical: str) -> torch.Tensor:
@@ -108,12 +149,15 @@ class Loader:
         self.store = store or ShardStore(plan.store_root)
         self.extras = tuple(extras)
         self.minibatches = list(range(plan.num_minibatches) if minibatches is None else minibatches)
-        self.bytes_read = 0
+        self.bytes_read = 0  # from shard files: delivered ranges + bytes read only to verify
+        self.bytes_delivered = 0  # heavy bytes (as stored) of the ranges packed into batches
         self._stop = threading.Event()
         self._specs: dict[str, tuple] = {}
         self._pool = BufferPool(limit=prefetch + 2, capacity=plan.tokens_per_rank)  # a bin never holds more
         self._shards = OpenShards(self.store)
         self._iota = np.zeros(0, dtype=np.int64)
+        self._stage = np.zeros(0, dtype=np.int32)
+        self._scratch = np.zeros(0, dtype=np.uint8)
 
     def __len__(self) -> int:
         return len(self.minibatches)
@@ -126,20 +170,25 @@ class Loader:
         seg_len = stop - start
         n_tok = int(seg_len.sum())
         cu = np.concatenate([[0], np.cumsum(seg_len)]).astype(np.int32)
+        if self._stage.shape[0] < n_tok:  # token ids as stored, widened to int64 in one pass below
+            self._stage = np.empty(max(n_tok, p.tokens_per_rank), dtype=np.int32)
         ids = self._pool.take("tokens", n_tok, np.int64)
         mask = self._pool.take("loss_mask", n_tok, np.uint8)
         logp = self._pool.take("logprobs", n_tok, np.float32)
-        outs = {"tokens": ids, "loss_mask": mask, "logprobs": logp}
+        outs = {"tokens": self._stage[:n_tok], "loss_mask": mask, "logprobs": logp}
         logical: dict[str, str] = {}
         shard_of = p.shard[traj]
         by_shard = np.argsort(shard_of, kind="stable")
         cuts = np.flatnonzero(np.diff(shard_of[by_shard])) + 1
-        bytes_read = 0
+        delivered = verified = 0
         try:
             for ks in np.split(by_shard, cuts) if traj.size else []:
-                bytes_read += self._copy_shard(m, int(shard_of[ks[0]]), ks, traj, start, stop, cu, outs, logical)
+                d, v = self._copy_shard(m, int(shard_of[ks[0]]), ks, traj, start, stop, cu, outs, logical)
+                delivered += d
+                verified += v
         finally:
             self._shards.drop_pages()
+        np.copyto(ids, outs["tokens"], casting="unsafe")
         for name in self.extras:  # a rank with nothing in this minibatch still gets typed, empty fields
             if name not in outs:
                 dtype, shape, logical[name] = self._extra_spec(name)
@@ -156,22 +205,23 @@ class Loader:
             pos[0] = shift[0]
             pos[cu[1:-1]] = 1 + np.diff(shift)
             np.cumsum(pos, out=pos)
-        self.bytes_read += bytes_read
+        self.bytes_delivered += delivered
+        self.bytes_read += delivered + verified
         return Batch(
             minibatch=m, rank=self.rank, input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(pos),
             cu_seqlens=torch.from_numpy(cu), loss_mask=torch.from_numpy(mask.view(np.bool_)),
             logprobs=torch.from_numpy(logp), extras={n: _tensor(outs[n], logical[n]) for n in self.extras},
             traj_ids=[str(x) for x in p.ids[traj]], seg_start=start, seg_stop=stop, traj_length=p.length[traj],
             reward=p.reward[traj], group=p.group[traj], teacher=[p.teachers[i] if p.teachers else "" for i in p.teacher[traj]],
-            bytes_read=bytes_read)
+            bytes_read=delivered + verified, bytes_delivered=delivered)
 
-    def _copy_shard(self, m, s, ks, traj, start, stop, cu, outs, logical) -> int:
-        """Copy the segments `ks` that live in shard `s` into the packed outputs, checking that each row
-        still holds the trajectory the plan names, its length, and (first piece) its checksum."""
+    def _copy_shard(self, m, s, ks, traj, start, stop, cu, outs, logical) -> tuple[int, int]:
+        """Read the segments `ks` that live in shard `s` into the packed outputs, checking that each row
+        still holds the trajectory the plan names, its length, and (first piece) its checksum. Returns
+        (bytes delivered into the outputs, bytes read only to verify: other columns, rest of split rows)."""
         p = self.plan
         rel = p.shard_paths[s]
-        bytes_read = 0
-        id_col, cols = self._shards.get(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}")
+        id_col, cols, reader = self._shards.get(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}")
         for name in self.extras:
             if EXTRA_PREFIX + name not in cols:
                 raise DataPlaneError(f"trajectory {str(p.ids[traj[ks[0]]])!r}: shard file {self.store.full_path(rel)} "
@@ -184,7 +234,6 @@ class Loader:
             elif outs[name].shape[1:] != col.spec.shape or outs[name].dtype != col.spec.dtype:
                 raise DataPlaneError(f"extra {name!r} is {col.spec.dtype}{col.spec.shape} in {rel} but "
                                      f"{outs[name].dtype}{outs[name].shape[1:]} elsewhere in minibatch {m}")
-        wanted = [(outs[n], cols[n if n in CORE_DTYPES else EXTRA_PREFIX + n]) for n in outs]
         ks = np.asarray(ks)
         t = traj[ks]
         rows, tids = p.row[t], p.ids[t]
@@ -214,28 +263,36 @@ class Loader:
             i = int(bad[0])
             raise StaleRowError(f"trajectory {str(tids[i])!r} (shard file {path}, row {int(rows[i])}): holds "
                                 f"{int(full[i])} tokens, the plan says {int(p.length[t[i]])}")
-        if self.verify:  # a row's first piece checks the whole row, every column (same offsets in all)
-            flat = [(c.values.reshape(-1).view(np.uint8), c.values.itemsize * c.spec.width) for c in cols.values()]
-            row_bytes = sum(w for _, w in flat)
-            first = np.flatnonzero(start[ks] == 0)
-            for i, lo, hi in zip(first.tolist(), base[first].tolist(), (base + full)[first].tolist()):
-                got = 0
-                for u8, width in flat:
-                    got = google_crc32c.extend(got, u8[lo * width:hi * width])
-                bytes_read += (hi - lo) * row_bytes
-                if got != int(p.checksum[t[i]]):
-                    raise ChecksumError(f"trajectory {str(tids[i])!r} (shard file {path}, row {int(rows[i])}): "
-                                        f"checksum {got:#010x} != recorded {int(p.checksum[t[i]]):#010x}: the shard "
-                                        "is corrupt; restore it or drop the trajectory")
-        src_lo = (base + start[ks]).tolist()
-        src_hi = (base + stop[ks]).tolist()
-        dst_lo, dst_hi = cu[ks].tolist(), cu[ks + 1].tolist()
-        for out, col in wanted:
-            vals = col.values
-            for a, b, lo, hi in zip(dst_lo, dst_hi, src_lo, src_hi):
-                np.copyto(out[a:b], vals[lo:hi], casting="unsafe")
-            bytes_read += int((stop[ks] - start[ks]).sum()) * vals[:1].nbytes
-        return bytes_read
+        # where each column goes: the output buffer of a field asked for, else nowhere (read only to verify)
+        dest = [(n, outs.get(n if n in CORE_DTYPES else n[len(EXTRA_PREFIX):])) for n in cols]
+        delivered = verified = 0
+        first = (start[ks] == 0).tolist()
+        whole = ((start[ks] == 0) & (stop[ks] == full)).tolist()
+        for j, a, b, lo, hi, row_lo, row_hi in zip(range(ks.size), cu[ks].tolist(), cu[ks + 1].tolist(),
+                                                   (base + start[ks]).tolist(), (base + stop[ks]).tolist(),
+                                                   base.tolist(), (base + full).tolist()):
+            who = f"trajectory {str(tids[j])!r}"
+            for name, out in dest:
+                if out is not None:
+                    delivered += reader.read(name, lo, hi, out[a:b], who)
+            if not (self.verify and first[j]):
+                continue
+            crc = 0  # the row's checksum covers every column, whole rows, in schema order
+            for name, out in dest:
+                if out is not None and whole[j]:
+                    crc = google_crc32c.extend(crc, _ro_u8(out[a:b]))
+                    continue
+                need = (row_hi - row_lo) * reader.stride[name]
+                if self._scratch.nbytes < need:
+                    self._scratch = np.empty(need, dtype=np.uint8)
+                buf = self._scratch[:need]
+                verified += reader.read(name, row_lo, row_hi, buf, who)
+                crc = google_crc32c.extend(crc, _ro_u8(buf))
+            if crc != int(p.checksum[t[j]]):
+                raise ChecksumError(f"trajectory {str(tids[j])!r} (shard file {path}, row {int(rows[j])}): "
+                                    f"checksum {crc:#010x} != recorded {int(p.checksum[t[j]]):#010x}: the shard "
+                                    "is corrupt; restore it or drop the trajectory")
+        return delivered, verified
 
     def _extra_spec(self, name: str):
         if name not in self._specs:

@@ -187,7 +187,8 @@ class Batch:
     reward: np.ndarray
     group: np.ndarray
     teacher: list[str]
-    bytes_read: int = 0
+    bytes_read: int = 0  # read from shard files: the delivered ranges plus bytes read only to verify
+    bytes_delivered: int = 0  # heavy bytes (as stored) of the token ranges packed into this batch
 
     @property
     def num_tokens(self) -> int:

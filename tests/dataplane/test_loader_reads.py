@@ -1,0 +1,98 @@
+"""Loader reads: corruption anywhere in a row that is read is caught (a later piece of a split row, a
+column the caller did not ask for), for local (`pread`) and non-local (copy) stores alike; the bytes
+delivered are exactly the stored bytes of the planned ranges; output buffers are reused once released
+and never while a batch is held."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dataplane
+from dataplane import TrajectoryRecord
+
+from .conftest import make_records
+
+
+def _flip(path: Path, needle: bytes, at: int = 1) -> None:
+    raw = bytearray(path.read_bytes())
+    pos = raw.find(needle)
+    assert pos >= 0 and raw.find(needle, pos + 1) < 0  # the bytes are where we think, once
+    raw[pos + at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+def _only_shard(dp) -> Path:
+    (rel,) = dp.store.list()
+    return Path(dp.store.full_path(rel))
+
+
+def _long(n=3000, seed=1):
+    rng = np.random.default_rng(seed)
+    return TrajectoryRecord(id="long", run="r", domain="arith", prompt="p", group_id="g",
+                            tokens=rng.integers(0, 1 << 30, n, dtype=np.int64), loss_mask=rng.integers(0, 2, n),
+                            logprobs=-rng.random(n).astype(np.float32), reward=1.0)
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_flip_in_a_later_piece_of_a_split_row_is_caught(tmp_path, local):
+    dp = dataplane.open(tmp_path / "c.db", tmp_path / "store", use_mmap=local)  # pread, or copy from memory
+    rec = _long()
+    dp.put([rec])
+    plan = dp.plan(tokens_per_rank=1000)  # 3 pieces: [0, 1000), [1000, 2000), [2000, 3000)
+    assert plan.summary()["split_trajectories"] == 1
+    whole = np.concatenate([b.input_ids.numpy() for b in dp.loader(plan)])
+    assert np.array_equal(whole, rec.tokens)
+    # one flipped bit in token 2500, inside the last piece only
+    _flip(_only_shard(dp), np.asarray(rec.tokens[2500:2504], dtype=np.int32).tobytes())
+    with pytest.raises(dataplane.ChecksumError, match=r"trajectory 'long' \(shard file .*\.arrow, row 0\): checksum"):
+        list(dp.loader(plan))
+    dp.close()
+
+
+def test_flip_in_a_column_not_asked_for_is_caught(sqlite_dp):
+    recs = make_records(6, extras=True)
+    sqlite_dp.put(recs)
+    plan = sqlite_dp.plan(tokens_per_rank=10_000)
+    assert sum(b.num_tokens for b in sqlite_dp.loader(plan)) == plan.num_tokens  # extras not requested
+    score = np.asarray(recs[2].extras["score"], dtype=np.float32)
+    _flip(_only_shard(sqlite_dp), score.tobytes())
+    with pytest.raises(dataplane.ChecksumError, match=r"trajectory 't00002' \(shard file .*row 2\): checksum"):
+        list(sqlite_dp.loader(plan))
+
+
+def test_bytes_delivered_are_the_stored_bytes_of_the_planned_ranges(sqlite_dp):
+    recs = make_records(40, max_len=700)
+    sqlite_dp.put(recs)
+    plan = sqlite_dp.plan(tokens_per_rank=500, ranks=2)  # some rows split
+    assert plan.summary()["split_trajectories"] > 0
+    delivered = read = 0
+    for r in range(2):
+        loader = sqlite_dp.loader(plan, rank=r)
+        for b in loader:
+            assert b.bytes_delivered == b.num_tokens * 9  # int32 token + uint8 mask + float32 log-prob
+            delivered += b.bytes_delivered
+            read += b.bytes_read
+    assert delivered == plan.num_tokens * 9
+    assert read > delivered  # split rows' first pieces read the rest of the row to verify it
+    extra = sum(b.bytes_read - b.bytes_delivered for r in range(2) for b in sqlite_dp.loader(plan, rank=r, verify=False))
+    assert extra == 0  # without verification only the planned ranges are read
+
+
+def test_output_buffers_are_reused_once_released_and_never_while_held(sqlite_dp):
+    sqlite_dp.put(make_records(200, max_len=50))
+    plan = sqlite_dp.plan(tokens_per_rank=100)
+    loader = sqlite_dp.loader(plan, prefetch=0)
+    b = loader.build(0)
+    del b
+    pooled = {k: [id(x) for x in v] for k, v in loader._pool.free.items()}
+    for m in range(1, 6):
+        b = loader.build(m)
+        del b
+    assert {k: [id(x) for x in v] for k, v in loader._pool.free.items()} == pooled  # no fresh buffers
+    kept = loader.build(6)
+    snapshot = kept.input_ids.clone()
+    other = loader.build(7)
+    assert kept.input_ids.data_ptr() != other.input_ids.data_ptr()
+    assert bool((kept.input_ids == snapshot).all())
