@@ -25,9 +25,9 @@ class SFTConfig(Config):
     """Supervised fine-tuning on domain demonstrations, loss on completion tokens only."""
 
     domains: list[str] = Field(["arith", "reverse", "calc"], min_length=1, description="domains mixed uniformly")
-    steps: int = Field(300, ge=1, le=10_000_000, description="optimizer steps")
+    steps: int = Field(400, ge=1, le=10_000_000, description="optimizer steps")
     batch_size: int = Field(32, ge=1, le=65536, description="sequences per step")
-    lr: float = Field(3e-3, gt=0, le=1.0, description="peak learning rate (AdamW)")
+    lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate (AdamW)")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up steps, then cosine decay to 10%")
     weight_decay: float = Field(0.01, ge=0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")

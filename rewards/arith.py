@@ -1,4 +1,4 @@
-"""`arith`: add two numbers of up to two digits, answer alone (skill: carrying, digit alignment)."""
+"""`arith`: add a number of up to two digits and a digit, answer alone (skill: carrying)."""
 from __future__ import annotations
 
 import random
@@ -12,10 +12,10 @@ _PROMPT_RE = re.compile(r"add (\d{1,3})\+(\d{1,3})=")
 
 class Arith(Domain):
     name = "arith"
-    description = "Add two integers of up to two digits; reply with the sum alone."
+    description = "Add a number of up to two digits and a single digit; reply with the sum alone."
 
     def _draw(self, rng: random.Random) -> str:
-        return f"add {rng.randint(0, 99)}+{rng.randint(0, 99)}="
+        return f"add {rng.randint(0, 99)}+{rng.randint(0, 9)}="
 
     def prompts(self, split: str, n: int, seed: int) -> list[str]:
         return splits.sample(self._draw, split, n, seed)
