@@ -5,7 +5,8 @@ tokens per trajectory), heavy fields = tokens int32 + loss mask uint8 + behaviou
 Each size is built, measured and shuffled by baselines in separate child processes, so peak RSS of
 one size cannot leak into the other:
 - `measure`: select (catalog), plan (shuffle + split + pack + balance, best of K), loader over the whole
-  epoch for every rank (time to first minibatch, MB/s from the page cache), peak RSS (VmHWM);
+  epoch for every rank (time to first minibatch; GB/s from the page cache: bytes the loader read from
+  the shards into batches per wall second, best of K epochs; also per CPU second), peak RSS (VmHWM);
 - `take`: baseline full-copy shuffle, `pyarrow.Table.take` on a permutation of all rows (best of K);
 - `ray`: baseline Ray Data `random_shuffle` on the same rows (errors are recorded, not raised).
 Plus planning 1,000,000 trajectories' metadata in-process (pure numpy).
@@ -112,28 +113,42 @@ def child_measure(a) -> dict:
         plan = dp.plan(sel, tokens_per_rank=a.tokens_per_rank, ranks=a.ranks, seed=a.seed, epoch=k, group_aware=True)
         plan_times.append(time.perf_counter() - t0)
     summary = plan.summary()
-    t0 = time.perf_counter()
-    first_s, delivered, read, batches = None, 0, 0, 0
-    for r in range(a.ranks):
-        for b in dp.loader(plan, rank=r, prefetch=1):
-            if first_s is None:
-                first_s = time.perf_counter() - t0
-            delivered += b.num_tokens * 9  # int32 token + uint8 mask + float32 log-prob, as stored
-            read += b.bytes_read
-            batches += 1
-    load_s = time.perf_counter() - t0
-    if delivered != plan.num_tokens * 9:
-        raise RuntimeError(f"loader delivered {delivered // 9} tokens, plan has {plan.num_tokens}")
-    t0 = time.perf_counter()  # the same epoch without the per-row crc32c check: what verification costs
-    for r in range(a.ranks):
-        for b in dp.loader(plan, rank=r, prefetch=1, verify=False, check=False):
-            pass
-    noverify_s = time.perf_counter() - t0
+    def epoch(verify: bool) -> dict:
+        """One epoch over every rank (each rank's loader in turn, prefetch thread on, as a trainer would).
+        `delivered`: bytes the loader read from the shard files into the batches (the planned token
+        ranges of every heavy column, as stored); `read`: that plus bytes read only to verify checksums
+        (the rest of a split row, on its first piece)."""
+        load0 = os.getloadavg()[0]
+        t0, c0 = time.perf_counter(), time.process_time()
+        first_s, delivered, read, batches, tokens = None, 0, 0, 0, 0
+        for r in range(a.ranks):
+            for b in dp.loader(plan, rank=r, prefetch=1, verify=verify, check=verify):
+                if first_s is None:
+                    first_s = time.perf_counter() - t0
+                delivered += b.bytes_delivered
+                read += b.bytes_read
+                tokens += b.num_tokens
+                batches += 1
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if tokens != plan.num_tokens or delivered != plan.num_tokens * 9:  # int32 + uint8 + float32 per token
+            raise RuntimeError(f"loader delivered {tokens} tokens / {delivered} B, plan has {plan.num_tokens} tokens")
+        return {"wall_s": wall, "cpu_s": cpu, "first_s": first_s, "delivered": delivered, "read": read,
+                "batches": batches, "load_avg": [load0, os.getloadavg()[0]]}
+
+    runs = [epoch(True) for _ in range(a.loader_repeats)]  # the page cache is warm after the first
+    best = min(runs, key=lambda e: e["wall_s"])
+    nov = epoch(False)  # the same epoch without the per-row crc32c check: what verification costs
     dp.close()
+    gb = lambda e, key="delivered": e[key] / 1e9  # noqa: E731
     return {"select_s": select_s, "plan_s": min(plan_times), "plan_s_median": float(np.median(plan_times)),
-            "first_minibatch_s": first_s, "load_s": load_s, "loader_mb_s": delivered / 2**20 / load_s,
-            "loader_read_mb_s": read / 2**20 / load_s, "loader_mb_s_no_verify": delivered / 2**20 / noverify_s,
-            "batches": batches, "plan": summary,
+            "first_minibatch_s": runs[0]["first_s"], "load_s": best["wall_s"],
+            "loader_gb_s": gb(best) / best["wall_s"], "loader_gb_s_all": [gb(e) / e["wall_s"] for e in runs],
+            "loader_gb_per_cpu_s": gb(best) / best["cpu_s"], "loader_cpu_s": best["cpu_s"],
+            "loader_read_gb_s": gb(best, "read") / best["wall_s"], "bytes_delivered": best["delivered"],
+            "bytes_read": best["read"], "loader_load_avg": best["load_avg"],
+            "loader_gb_s_no_verify": gb(nov) / nov["wall_s"], "loader_gb_per_cpu_s_no_verify": gb(nov) / nov["cpu_s"],
+            "loader_mb_s": best["delivered"] / 2**20 / best["wall_s"],
+            "batches": best["batches"], "plan": summary,
             "peak_rss_mb": _status_mb("VmHWM"), "rss_before_open_mb": base_mb}
 
 
@@ -190,7 +205,7 @@ def _spawn(mode: str, a, ddir: Path, tokens: int, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "bench.dataplane", "--child", mode, "--dir", str(ddir), "--n", str(a.n),
            "--tokens", str(tokens), "--max-len", str(a.max_len), "--tokens-per-rank", str(a.tokens_per_rank),
            "--ranks", str(a.ranks), "--seed", str(a.seed), "--repeats", str(a.repeats),
-           "--take-repeats", str(a.take_repeats)]
+           "--take-repeats", str(a.take_repeats), "--loader-repeats", str(a.loader_repeats)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                              cwd=Path(__file__).resolve().parents[1])
@@ -234,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=15, help="plans timed per size (best is reported)")
     ap.add_argument("--take-repeats", type=int, default=2, help="full-copy shuffles timed per size (best is reported)")
+    ap.add_argument("--loader-repeats", type=int, default=2, help="loader epochs timed per size (best is reported)")
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray Data baseline")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir, deleted afterwards)")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
@@ -249,7 +265,14 @@ def main(argv: list[str] | None = None) -> int:
            "config": {"n": a.n, "tokens_1x": a.tokens, "tokens_10x": 10 * a.tokens, "max_len": a.max_len,
                       "tokens_per_rank": a.tokens_per_rank, "ranks": a.ranks, "group_aware": True,
                       "heavy_fields": "tokens int32, loss_mask uint8, logprobs float32 (9 B/token)",
-                      "plan_time": f"best of {a.repeats}", "take_time": f"best of {a.take_repeats}"},
+                      "plan_time": f"best of {a.repeats}", "take_time": f"best of {a.take_repeats}",
+                      "loader_time": f"best of {a.loader_repeats} epochs (all ranks, prefetch 1, checksums verified)",
+                      "loader_gb_s": "bytes the loader read from the shard files into the batches (every planned "
+                                     "token range of every heavy column, as stored: 9 B/token), counted by the "
+                                     "loader, per second of wall time for one epoch over all ranks; GB = 1e9 B. "
+                                     "loader_read_gb_s adds bytes read only to verify checksums; "
+                                     "loader_gb_per_cpu_s divides by the process CPU time instead (the machine "
+                                     "is shared)"},
            "sizes": {}}
     try:
         for name, tokens in (("1x", a.tokens), ("10x", 10 * a.tokens)):
@@ -275,14 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         out["figures"] = {
             "plan_s_1x": m1["plan_s"], "plan_s_10x": m10["plan_s"],
             "first_minibatch_s_1x": m1["first_minibatch_s"], "first_minibatch_s_10x": m10["first_minibatch_s"],
-            "loader_mb_s_1x": m1["loader_mb_s"], "loader_mb_s_10x": m10["loader_mb_s"],
-            "loader_mb_s_no_verify_1x": m1["loader_mb_s_no_verify"], "loader_mb_s_no_verify_10x": m10["loader_mb_s_no_verify"],
+            "loader_gb_s_1x": m1["loader_gb_s"], "loader_gb_s_10x": m10["loader_gb_s"],
+            "loader_gb_per_cpu_s_1x": m1["loader_gb_per_cpu_s"], "loader_gb_per_cpu_s_10x": m10["loader_gb_per_cpu_s"],
+            "loader_gb_s_no_verify_1x": m1["loader_gb_s_no_verify"], "loader_gb_s_no_verify_10x": m10["loader_gb_s_no_verify"],
             "peak_rss_mb_1x": m1["peak_rss_mb"], "peak_rss_mb_10x": m10["peak_rss_mb"],
             "take_shuffle_s_1x": s1["take"]["take_s"], "take_shuffle_s_10x": t10["take_s"],
             "ray_random_shuffle_s_1x": s1["ray"].get("random_shuffle_s"), "ray_random_shuffle_s_10x": ray10,
             "ray_vs_plan_10x": (ray10 / m10["plan_s"]) if ray10 else None,
         }
-        loader_gb_s = m10["loader_mb_s"] * 2**20 / 1e9
+        loader_gb_s = m10["loader_gb_s"]
         out["targets"] = {
             "plan_time_10x_vs_1x": _target(m10["plan_s"] / m1["plan_s"], "<= 1.2", m10["plan_s"] / m1["plan_s"] <= 1.2),
             "peak_rss_10x_vs_1x": _target(m10["peak_rss_mb"] / m1["peak_rss_mb"], "<= 1.1",
@@ -290,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             "full_copy_shuffle_vs_plan_10x": _target(t10["take_s"] / m10["plan_s"], ">= 100 (pyarrow Table.take)",
                                                      t10["take_s"] / m10["plan_s"] >= 100),
             "plan_1m_trajectories_s": _target(out["plan_1m"]["plan_s"], "< 2", out["plan_1m"]["plan_s"] < 2),
-            "loader_gb_s": _target(loader_gb_s, ">= 1 (10x dataset, page cache, all ranks)", loader_gb_s >= 1),
+            "loader_gb_s": _target(loader_gb_s, ">= 1 (10x dataset, page cache, all ranks; bytes read from the "
+                                   "shards into batches per wall second, see config.loader_gb_s)", loader_gb_s >= 1),
         }
     except (KeyError, TypeError, ZeroDivisionError) as exc:
         out["error"] = f"a measurement failed, see sizes: {type(exc).__name__}: {exc}"

@@ -118,11 +118,11 @@ class DataPlane:
                                 "re-plan")
 
     def loader(self, plan: Plan, rank: int = 0, prefetch: int = 1, verify: bool = True, extras=(),
-               check: bool = True, minibatches=None) -> Loader:
+               check: bool = True, minibatches=None, threads: int = 2) -> Loader:
         if check:
             self.check_plan(plan)
         return Loader(plan, self.store, rank=rank, prefetch=prefetch, verify=verify, extras=extras,
-                      minibatches=minibatches)
+                      minibatches=minibatches, threads=threads)
 
     # -- upkeep ----------------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -3,10 +3,11 @@ token ranges it names into packed torch tensors. Shard footers, ids and offsets 
 map; heavy ranges are `pread` from the file straight into reused output buffers (local stores: the
 page cache copies once, no page faults on the map) or copied from the in-memory batch (remote
 stores). Token ids are gathered as stored (int32) and widened to int64 in one pass per minibatch; a
-row's crc32c is checked over the very bytes delivered. A background thread builds the next
-minibatch; at most `prefetch` + 1 minibatches are alive (the one in use and the ones ahead), output
-buffers are reused once released, and the pages of the shard maps are dropped after each minibatch,
-so peak memory stays near two minibatches whatever the dataset size."""
+row's crc32c is checked over the very bytes delivered. Background threads (two by default; numpy,
+`pread` and crc32c release the GIL) build the next minibatches; at most `prefetch` + 1 minibatches
+are alive (the one in use, the ones ahead and those being built), output buffers are reused once
+released, and the pages of the shard maps are dropped after each minibatch, so peak memory stays
+near two minibatches whatever the dataset size."""
 from __future__ import annotations
 
 import os
@@ -135,16 +136,29 @@ def _tensor(arr: np.ndarray, logical: str) -> torch.Tensor:
     return t.view(torch.bfloat16) if logical == "bfloat16" else t
 
 
+class _State:
+    """What one building thread owns: its open shards and scratch buffers (two threads may build two
+    minibatches at once; the output buffer pool is shared and locked)."""
+
+    def __init__(self, store: ShardStore):
+        self.shards = OpenShards(store)
+        self.iota = np.zeros(0, dtype=np.int64)
+        self.stage = np.zeros(0, dtype=np.int32)  # token ids as stored, widened to int64 in one pass
+        self.scratch = np.zeros(0, dtype=np.uint8)  # bytes read only to verify a row's checksum
+
+
 class Loader:
     """`for batch in Loader(plan, store, rank=r): ...` yields a `Batch` per minibatch (empty for a rank
     that holds no segment in that minibatch)."""
 
     def __init__(self, plan: Plan, store: ShardStore | None = None, rank: int = 0, prefetch: int = 1,
-                 verify: bool = True, extras: tuple[str, ...] | list[str] = (), minibatches=None):
+                 verify: bool = True, extras: tuple[str, ...] | list[str] = (), minibatches=None, threads: int = 2):
         if not 0 <= rank < plan.ranks:
             raise DataPlaneError(f"rank {rank} not in plan with {plan.ranks} ranks")
         if prefetch < 0 or prefetch > 8:
             raise DataPlaneError(f"prefetch {prefetch}: expected 0..8 minibatches ahead")
+        if not 1 <= threads <= 8:
+            raise DataPlaneError(f"threads {threads}: expected 1..8 building threads")
         self.plan, self.rank, self.prefetch, self.verify = plan, rank, prefetch, verify
         self.store = store or ShardStore(plan.store_root)
         self.extras = tuple(extras)
@@ -154,28 +168,43 @@ class Loader:
         self._stop = threading.Event()
         self._specs: dict[str, tuple] = {}
         self._pool = BufferPool(limit=prefetch + 2, capacity=plan.tokens_per_rank)  # a bin never holds more
-        self._shards = OpenShards(self.store)
-        self._iota = np.zeros(0, dtype=np.int64)
-        self._stage = np.zeros(0, dtype=np.int32)
-        self._scratch = np.zeros(0, dtype=np.uint8)
+        # background threads building minibatches at once: never more than may be alive anyway
+        self.threads = max(1, min(threads, prefetch + 1)) if prefetch else 1
+        self._local = threading.local()
+        self._states: list[_State] = []
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self.minibatches)
 
     # -- one minibatch ---------------------------------------------------------------------------------
+    def _state(self) -> _State:
+        st = getattr(self._local, "state", None)
+        if st is None:
+            st = self._local.state = _State(self.store)
+            with self._lock:
+                self._states.append(st)
+        return st
+
+    def _close_shards(self) -> None:
+        with self._lock:
+            for st in self._states:
+                st.shards.close()
+
     def build(self, m: int) -> Batch:
         p = self.plan
+        st = self._state()
         sl = p.bin(m, self.rank)
         traj, start, stop = p.seg_traj[sl], p.seg_start[sl], p.seg_stop[sl]
         seg_len = stop - start
         n_tok = int(seg_len.sum())
         cu = np.concatenate([[0], np.cumsum(seg_len)]).astype(np.int32)
-        if self._stage.shape[0] < n_tok:  # token ids as stored, widened to int64 in one pass below
-            self._stage = np.empty(max(n_tok, p.tokens_per_rank), dtype=np.int32)
+        if st.stage.shape[0] < n_tok:  # token ids as stored, widened to int64 in one pass below
+            st.stage = np.empty(max(n_tok, p.tokens_per_rank), dtype=np.int32)
         ids = self._pool.take("tokens", n_tok, np.int64)
         mask = self._pool.take("loss_mask", n_tok, np.uint8)
         logp = self._pool.take("logprobs", n_tok, np.float32)
-        outs = {"tokens": self._stage[:n_tok], "loss_mask": mask, "logprobs": logp}
+        outs = {"tokens": st.stage[:n_tok], "loss_mask": mask, "logprobs": logp}
         logical: dict[str, str] = {}
         shard_of = p.shard[traj]
         by_shard = np.argsort(shard_of, kind="stable")
@@ -183,11 +212,11 @@ class Loader:
         delivered = verified = 0
         try:
             for ks in np.split(by_shard, cuts) if traj.size else []:
-                d, v = self._copy_shard(m, int(shard_of[ks[0]]), ks, traj, start, stop, cu, outs, logical)
+                d, v = self._copy_shard(st, m, int(shard_of[ks[0]]), ks, traj, start, stop, cu, outs, logical)
                 delivered += d
                 verified += v
         finally:
-            self._shards.drop_pages()
+            st.shards.drop_pages()
         np.copyto(ids, outs["tokens"], casting="unsafe")
         for name in self.extras:  # a rank with nothing in this minibatch still gets typed, empty fields
             if name not in outs:
@@ -195,18 +224,19 @@ class Loader:
                 outs[name] = np.empty((0, *shape), dtype=dtype)
         pos = self._pool.take("position_ids", n_tok, np.int64)
         if 0 < traj.size <= 256:  # few segments: one pass each, iota + offset
-            if self._iota.shape[0] < n_tok:
-                self._iota = np.arange(max(n_tok, p.tokens_per_rank), dtype=np.int64)
+            if st.iota.shape[0] < n_tok:
+                st.iota = np.arange(max(n_tok, p.tokens_per_rank), dtype=np.int64)
             for a, b, lo in zip(cu[:-1].tolist(), cu[1:].tolist(), start.tolist()):
-                np.add(self._iota[:b - a], lo, out=pos[a:b])
+                np.add(st.iota[:b - a], lo, out=pos[a:b])
         elif n_tok:  # pos[i] = i - cu[k] + start[k] inside segment k, as a running sum of steps
             shift = start - cu[:-1]
             pos.fill(1)
             pos[0] = shift[0]
             pos[cu[1:-1]] = 1 + np.diff(shift)
             np.cumsum(pos, out=pos)
-        self.bytes_delivered += delivered
-        self.bytes_read += delivered + verified
+        with self._lock:
+            self.bytes_delivered += delivered
+            self.bytes_read += delivered + verified
         return Batch(
             minibatch=m, rank=self.rank, input_ids=torch.from_numpy(ids), position_ids=torch.from_numpy(pos),
             cu_seqlens=torch.from_numpy(cu), loss_mask=torch.from_numpy(mask.view(np.bool_)),
@@ -215,13 +245,13 @@ class Loader:
             reward=p.reward[traj], group=p.group[traj], teacher=[p.teachers[i] if p.teachers else "" for i in p.teacher[traj]],
             bytes_read=delivered + verified, bytes_delivered=delivered)
 
-    def _copy_shard(self, m, s, ks, traj, start, stop, cu, outs, logical) -> tuple[int, int]:
+    def _copy_shard(self, st: _State, m, s, ks, traj, start, stop, cu, outs, logical) -> tuple[int, int]:
         """Read the segments `ks` that live in shard `s` into the packed outputs, checking that each row
         still holds the trajectory the plan names, its length, and (first piece) its checksum. Returns
         (bytes delivered into the outputs, bytes read only to verify: other columns, rest of split rows)."""
         p = self.plan
         rel = p.shard_paths[s]
-        id_col, cols, reader = self._shards.get(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}")
+        id_col, cols, reader = st.shards.get(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}")
         for name in self.extras:
             if EXTRA_PREFIX + name not in cols:
                 raise DataPlaneError(f"trajectory {str(p.ids[traj[ks[0]]])!r}: shard file {self.store.full_path(rel)} "
@@ -283,9 +313,9 @@ class Loader:
                     crc = google_crc32c.extend(crc, _ro_u8(out[a:b]))
                     continue
                 need = (row_hi - row_lo) * reader.stride[name]
-                if self._scratch.nbytes < need:
-                    self._scratch = np.empty(need, dtype=np.uint8)
-                buf = self._scratch[:need]
+                if st.scratch.nbytes < need:
+                    st.scratch = np.empty(need, dtype=np.uint8)
+                buf = st.scratch[:need]
                 verified += reader.read(name, row_lo, row_hi, buf, who)
                 crc = google_crc32c.extend(crc, _ro_u8(buf))
             if crc != int(p.checksum[t[j]]):
@@ -315,32 +345,51 @@ class Loader:
                 for m in self.minibatches:
                     yield self.build(m)
             finally:
-                self._shards.close()
+                self._close_shards()
             return
         self._stop.clear()
-        q: queue.Queue = queue.Queue()
-        slots = threading.Semaphore(self.prefetch + 1)  # built and not yet released: in use + ahead
+        mbs = self.minibatches
+        # built and not yet released (in use + ahead + being built): the memory bound. Minibatches are
+        # handed to the threads in order, each after taking a slot, so the next one the consumer needs
+        # always holds a slot or gets the next one freed.
+        slots = threading.Semaphore(self.prefetch + 1)
+        done: dict[int, object] = {}
+        cond = threading.Condition()
+        nxt = [0]
 
         def work():
-            try:
-                for m in self.minibatches:
-                    while not slots.acquire(timeout=0.05):
-                        if self._stop.is_set():
-                            return
+            while True:
+                while not slots.acquire(timeout=0.05):
                     if self._stop.is_set():
                         return
-                    q.put(self.build(m))
-                q.put(_END)
-            except BaseException as exc:  # handed to the consumer, raised there
-                q.put(_Failure(exc))
-
-        worker = threading.Thread(target=work, name="dataplane-prefetch", daemon=True)
-        worker.start()
-        try:
-            while True:
-                item = q.get()
-                if item is _END:
+                with cond:
+                    if self._stop.is_set() or nxt[0] >= len(mbs):
+                        slots.release()
+                        return
+                    i = nxt[0]
+                    nxt[0] += 1
+                try:
+                    item = self.build(mbs[i])
+                except BaseException as exc:  # handed to the consumer, raised there
+                    item = _Failure(exc)
+                failed = isinstance(item, _Failure)
+                with cond:
+                    done[i] = item
+                    cond.notify_all()
+                del item
+                if failed:
                     return
+
+        workers = [threading.Thread(target=work, name="dataplane-prefetch", daemon=True) for _ in range(self.threads)]
+        for w in workers:
+            w.start()
+        try:
+            for i in range(len(mbs)):
+                with cond:
+                    while i not in done:
+                        if not cond.wait(timeout=1.0) and not any(w.is_alive() for w in workers) and i not in done:
+                            raise DataPlaneError(f"loader threads ended before minibatch {mbs[i]} was built")
+                    item = done.pop(i)
                 if isinstance(item, _Failure):
                     raise item.exc
                 yield item
@@ -348,10 +397,12 @@ class Loader:
                 slots.release()
         finally:
             self._stop.set()
-            worker.join(timeout=30)
-            if not worker.is_alive():
-                self._shards.close()
+            for w in workers:
+                w.join(timeout=30)
+            if not any(w.is_alive() for w in workers):
+                self._close_shards()
+            done.clear()
 
     def close(self) -> None:
         self._stop.set()
-        self._shards.close()
+        self._close_shards()

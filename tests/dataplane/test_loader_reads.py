@@ -96,3 +96,22 @@ def test_output_buffers_are_reused_once_released_and_never_while_held(sqlite_dp)
     other = loader.build(7)
     assert kept.input_ids.data_ptr() != other.input_ids.data_ptr()
     assert bool((kept.input_ids == snapshot).all())
+
+
+def test_building_threads_yield_the_same_batches_in_order(sqlite_dp):
+    sqlite_dp.put(make_records(300, max_len=400))
+    plan = sqlite_dp.plan(tokens_per_rank=800, ranks=2, seed=3)
+
+    def epoch(r, **kw):
+        return [(b.minibatch, b.traj_ids, b.input_ids.clone(), b.position_ids.clone(), b.cu_seqlens.clone(),
+                 b.loss_mask.clone(), b.logprobs.clone()) for b in sqlite_dp.loader(plan, rank=r, **kw)]
+
+    for r in range(2):
+        ref = epoch(r, prefetch=0)
+        assert [x[0] for x in ref] == list(range(plan.num_minibatches))
+        for kw in ({"prefetch": 1, "threads": 2}, {"prefetch": 3, "threads": 3}):
+            got = epoch(r, **kw)
+            assert [x[:2] for x in got] == [x[:2] for x in ref]
+            assert all(all(bool((a == b).all()) for a, b in zip(g[2:], w[2:])) for g, w in zip(got, ref))
+    with pytest.raises(dataplane.DataPlaneError, match="threads 0"):
+        sqlite_dp.loader(plan, threads=0)
