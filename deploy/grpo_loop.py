@@ -194,7 +194,7 @@ class GRPOLoop:
             self.dp.close()
 
     def _iterate(self, start: int) -> dict:
-        cfg, lp = self.cfg, self.cfg.loop
+        lp = self.cfg.loop
         last_eval = None
         if start == 0:
             last_eval = self._evaluate(0, self.group.weights())
