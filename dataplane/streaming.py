@@ -42,8 +42,10 @@ class OpenShards:
         self.store = store
         self.capacity = capacity if store.use_mmap else 0
         self.open: OrderedDict[str, tuple] = OrderedDict()
+        self.touched: set[str] = set()  # since the last drop_pages
 
     def get(self, rel: str, who: str):
+        self.touched.add(rel)
         if rel in self.open:
             self.open.move_to_end(rel)
             return self.open[rel][1]
@@ -53,8 +55,10 @@ class OpenShards:
         return self.open[rel][1]
 
     def drop_pages(self) -> None:
-        for shard, _ in self.open.values():
-            shard.drop_pages()
+        for rel in self.touched:
+            if rel in self.open:
+                self.open[rel][0].drop_pages()
+        self.touched.clear()
         while len(self.open) > self.capacity:
             _, (shard, decoded) = self.open.popitem(last=False)
             del decoded
@@ -217,6 +221,7 @@ class Loader:
                 verified += v
         finally:
             st.shards.drop_pages()
+        outs.pop("/ro", None)  # (no extra name holds "/")
         np.copyto(ids, outs["tokens"], casting="unsafe")
         for name in self.extras:  # a rank with nothing in this minibatch still gets typed, empty fields
             if name not in outs:
@@ -270,16 +275,19 @@ class Loader:
         path = self.store.full_path(rel)
         n_rows = len(id_col)
         bad = np.flatnonzero(rows >= n_rows)
-        if not bad.size:  # the row must still hold the trajectory the plan names: compare all ids at once
+        if not bad.size:  # the row must still hold the trajectory the plan names
             _, id_off, id_data = id_col.buffers()
             id_off = np.frombuffer(id_off, dtype=np.int32)[id_col.offset:]
             id_u8 = np.frombuffer(id_data, dtype=np.uint8)
             lo, hi = id_off[rows].astype(np.int64), id_off[rows + 1].astype(np.int64)
-            want = "\x00".join(tids.tolist()).encode()
-            got_len = hi - lo
-            idx = np.arange(int(got_len.sum()), dtype=np.int64) + np.repeat(lo - np.cumsum(got_len) + got_len, got_len)
-            got = np.insert(id_u8[idx], np.cumsum(got_len)[:-1], 0).tobytes()  # same separators as `want`
-            if got != want:
+            if rows.size <= 16:  # few rows of this shard in the minibatch: compare one by one
+                got = want = None
+            else:  # many: compare all ids at once
+                want = "\x00".join(tids.tolist()).encode()
+                got_len = hi - lo
+                idx = np.arange(int(got_len.sum()), dtype=np.int64) + np.repeat(lo - np.cumsum(got_len) + got_len, got_len)
+                got = np.insert(id_u8[idx], np.cumsum(got_len)[:-1], 0).tobytes()  # same separators as `want`
+            if got is None or got != want:
                 bad = np.asarray([i for i, (a, b, tid) in enumerate(zip(lo.tolist(), hi.tolist(), tids.tolist()))
                                   if id_u8[a:b].tobytes() != tid.encode()], dtype=np.int64)
         if bad.size:
@@ -295,6 +303,10 @@ class Loader:
                                 f"{int(full[i])} tokens, the plan says {int(p.length[t[i]])}")
         # where each column goes: the output buffer of a field asked for, else nowhere (read only to verify)
         dest = [(n, outs.get(n if n in CORE_DTYPES else n[len(EXTRA_PREFIX):])) for n in cols]
+        ro = outs.setdefault("/ro", {})  # read-only byte views crc32c reads, made once per minibatch
+        for n, out in dest:
+            if out is not None and n not in ro:
+                ro[n] = _ro_u8(out)
         delivered = verified = 0
         first = (start[ks] == 0).tolist()
         whole = ((start[ks] == 0) & (stop[ks] == full)).tolist()
@@ -310,7 +322,8 @@ class Loader:
             crc = 0  # the row's checksum covers every column, whole rows, in schema order
             for name, out in dest:
                 if out is not None and whole[j]:
-                    crc = google_crc32c.extend(crc, _ro_u8(out[a:b]))
+                    w = reader.stride[name]
+                    crc = google_crc32c.extend(crc, ro[name][a * w:b * w])
                     continue
                 need = (row_hi - row_lo) * reader.stride[name]
                 if st.scratch.nbytes < need:
