@@ -25,14 +25,14 @@ class SFTConfig(Config):
     """Supervised fine-tuning on domain demonstrations, loss on completion tokens only."""
 
     domains: list[str] = Field(["arith", "reverse", "calc"], min_length=1, description="domains mixed uniformly")
-    steps: int = Field(400, ge=1, le=10_000_000, description="optimizer steps")
+    steps: int = Field(600, ge=1, le=10_000_000, description="optimizer steps")
     batch_size: int = Field(32, ge=1, le=65536, description="sequences per step")
     lr: float = Field(1e-3, gt=0, le=1.0, description="peak learning rate (AdamW)")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up steps, then cosine decay to 10%")
     weight_decay: float = Field(0.01, ge=0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
     seed: int = Field(0, ge=0, description="data order and dropout seed")
-    threads: int = Field(2, ge=1, le=256, description="torch CPU threads")
+    threads: int = Field(1, ge=1, le=256, description="torch CPU threads (1: a tiny model gains little from more, and oversubscribed cores lose a lot)")
     log_every: int = Field(10, ge=1, description="steps between metrics lines")
 
 
