@@ -250,7 +250,16 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
                     continue
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                out.extend(_time_steps(fn, 1, sync))
+                try:
+                    out.extend(_time_steps(fn, 1, sync))
+                except torch.OutOfMemoryError as exc:  # naive full logits beside our step's cache
+                    if name != "naive":
+                        raise
+                    naive_ok = False
+                    row["naive"] = dict(error=f"out of memory: {str(exc).splitlines()[0]}")
+                    opt.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                    continue
                 if cuda:
                     peak[name] = torch.cuda.max_memory_allocated() / 2**30
         row["ours"] = dict(step_s=min(t_ours), step_s_median=statistics.median(t_ours), tokens_per_s=tokens / min(t_ours))
