@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -26,17 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _device() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+from bench._device import cpu_name
 
 
 def _status_mb(key: str) -> float:
@@ -261,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     scratch = Path(tempfile.mkdtemp(prefix="postrain-bench-dataplane-", dir=a.dir))
-    out = {"benchmark": "dataplane", "device": _device(), "load_avg_start": os.getloadavg()[0],
+    out = {"benchmark": "dataplane", "device": cpu_name(), "load_avg_start": os.getloadavg()[0],
            "config": {"n": a.n, "tokens_1x": a.tokens, "tokens_10x": 10 * a.tokens, "max_len": a.max_len,
                       "tokens_per_rank": a.tokens_per_rank, "ranks": a.ranks, "group_aware": True,
                       "heavy_fields": "tokens int32, loss_mask uint8, logprobs float32 (9 B/token)",

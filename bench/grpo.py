@@ -21,8 +21,6 @@ import argparse
 import copy
 import json
 import math
-import os
-import platform
 import statistics
 import sys
 import time
@@ -42,15 +40,9 @@ def _device_name(kind: str) -> str:
 
     if kind == "cuda":
         return torch.cuda.get_device_name()
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+    from bench._device import cpu_name
+
+    return cpu_name()
 
 
 def _log(msg: str) -> None:

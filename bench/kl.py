@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,14 +30,7 @@ def _log(msg: str) -> None:
     print(f"[bench.kl {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
-    except OSError:
-        pass
-    return f"{platform.processor() or 'CPU'}, {os.cpu_count()} cores"
+from bench._device import cpu_name as _cpu_name  # noqa: E402
 
 
 def eager_loss(h_s, W_s, h_t, W_t):

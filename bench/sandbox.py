@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -29,19 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from bench._device import cpu_name
+
 TOKEN = "bench-token"
-
-
-def _device() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
 
 
 def _autogroup() -> bool | None:
@@ -171,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     cps8 = figures["sandbox_8_clients"]["calls_per_s"]
     result = {
         "benchmark": "sandbox",
-        "device": _device(),
+        "device": cpu_name(),
         "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
         "tool": "calc (rewards.calculator in a fresh `python -I -S`)",
         "baseline": "plain subprocess.run of the same command: no isolation, no log, no gRPC; in a new session "

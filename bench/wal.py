@@ -34,16 +34,7 @@ import numpy as np
 import wal
 from wal import codec
 
-def device() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} cores"
+from bench._device import cpu_name as device  # noqa: E402
 
 
 def _step_arrays(b: int):

@@ -1,0 +1,19 @@
+"""The device line every benchmark JSON carries."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def cpu_name() -> str:
+    """'<CPU model>, <n> cores' from /proc/cpuinfo (platform.processor() where that is unreadable)."""
+    model = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
