@@ -64,7 +64,7 @@ def test_debug_shows_traceback(tmp_path):
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft")
     postrain("sft", "--out", str(out), "--steps", "40", "--quiet", *TINY, "--set", "sft.log_every=5",
-             "--set", "sft.batch_size=16", "--set", "sft.warmup_steps=5")
+             "--set", "sft.batch_size=16", "--set", "sft.warmup_steps=5", "--set", "sft.lr=5e-3")
     return out
 
 
