@@ -158,14 +158,20 @@ def inproc_step(d: Path, b: int, seconds: float) -> float:
         w.close()
 
 
+def _sqlite_full(path: Path) -> sqlite3.Connection:
+    """The SQLite baseline's connection: WAL mode, synchronous=FULL, explicit transactions."""
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=FULL")
+    return con
+
+
 def sqlite_rows(d: Path, b: int, seconds: float) -> float:
     """One row per token (trajectory, position) primary key, as a token-granular SQLite log would be."""
     toks, lps = _step_arrays(b)
     tok_l, lp_l = toks.tolist(), lps.tolist()
-    con = sqlite3.connect(d / "rows.db", isolation_level=None)
+    con = _sqlite_full(d / "rows.db")
     try:
-        con.execute("PRAGMA journal_mode=WAL")
-        con.execute("PRAGMA synchronous=FULL")
         con.execute("CREATE TABLE IF NOT EXISTS tok (traj TEXT, pos INTEGER, token INTEGER, logprob REAL, version INTEGER,"
                     " PRIMARY KEY (traj, pos)) WITHOUT ROWID")
         base = con.execute("SELECT COALESCE(MAX(pos) + 1, 0) FROM tok").fetchone()[0]
@@ -185,10 +191,8 @@ def sqlite_blob(d: Path, b: int, seconds: float) -> float:
     """One row per step holding the packed tokens and log-probs (SQLite's best case for this workload)."""
     toks, lps = _step_arrays(b)
     tb, lb = toks.tobytes(), lps.tobytes()
-    con = sqlite3.connect(d / "blob.db", isolation_level=None)
+    con = _sqlite_full(d / "blob.db")
     try:
-        con.execute("PRAGMA journal_mode=WAL")
-        con.execute("PRAGMA synchronous=FULL")
         con.execute("CREATE TABLE IF NOT EXISTS chunk (traj TEXT, start INTEGER, version INTEGER, tokens BLOB, logprobs BLOB,"
                     " PRIMARY KEY (traj, start)) WITHOUT ROWID")
         base = con.execute("SELECT COALESCE(MAX(start) + 1, 0) FROM chunk").fetchone()[0]

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from deploy.atomic import write_atomic
 from deploy.errors import UserError
 
 C = TypeVar("C", bound=BaseModel)
@@ -92,7 +93,5 @@ def load(model: type[C], path: str | Path | None = None, overrides: list[str] | 
 
 
 def dump(cfg: BaseModel, path: str | Path) -> None:
-    """Write the resolved config as TOML-compatible JSON next to a run's outputs."""
-    from deploy.atomic import write_atomic
-
+    """Write the resolved config as JSON next to a run's outputs (atomically)."""
     write_atomic(Path(path), json.dumps(cfg.model_dump(mode="json"), indent=2, sort_keys=True).encode())

@@ -58,7 +58,6 @@ def complete(model, tok, domain: rewards.Domain, prompts: list[str], cfg: EvalCo
 
 def evaluate(model, tok, domain_name: str, cfg: EvalConfig, advance=None) -> dict:
     """`{"domain", "n", "pass_at_1", "mean_reward", "samples"}` on `cfg.n` eval prompts."""
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     domain = rewards.domain(domain_name)
     prompts = domain.prompts("eval", cfg.n, seed=cfg.seed)
     model.eval()

@@ -20,14 +20,13 @@ class Example:
 
 def encode_example(tok, prompt: str, completion: str) -> Example:
     """Prompt + completion + EOS; the mask covers completion and EOS, minus environment results."""
-    masked = [0] * len(completion)
     prompt_ids = tok(prompt, add_special_tokens=False).input_ids
     comp_ids = tok(completion, add_special_tokens=False).input_ids
     if len(comp_ids) != len(completion):
         raise ValueError("encode_example expects a character-level tokenizer")  # spans are char offsets
     keep = [1] * len(completion)
     for start, end in protocol.result_spans(completion):
-        keep[start:end] = masked[start:end]
+        keep[start:end] = [0] * (end - start)
     return Example(prompt_ids + comp_ids + [tok.eos_token_id], [0] * len(prompt_ids) + keep + [1])
 
 

@@ -15,6 +15,8 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    import json
+
     from deploy.commands._common import default_config
     from deploy.job import run_sft
     from deploy.job_config import JobConfig
@@ -22,7 +24,7 @@ def run(args) -> int:
 
     overrides = list(args.overrides)
     if args.domain:
-        overrides.append("sft.domains=" + __import__("json").dumps(args.domain))
+        overrides.append("sft.domains=" + json.dumps(args.domain))
     if args.steps is not None:
         overrides.append(f"sft.steps={args.steps}")
     cfg = config.load(JobConfig, args.config or default_config("job"), overrides)
