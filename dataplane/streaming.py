@@ -1,13 +1,14 @@
 """Streaming loader: iterate a plan one minibatch at a time for one rank, reading only the rows and
-token ranges it names into packed torch tensors. Shard footers, ids and offsets are read through the
-map; heavy ranges are `pread` from the file straight into reused output buffers (local stores: the
-page cache copies once, no page faults on the map) or copied from the in-memory batch (remote
-stores). Token ids are gathered as stored (int32) and widened to int64 in one pass per minibatch; a
-row's crc32c is checked over the very bytes delivered. Background threads (two by default; numpy,
+token ranges it names into packed torch tensors. A shard's footer is parsed through the map once at
+open, its ids and row offsets copied out and the map's pages dropped; heavy ranges are `pread` from the
+file straight into reused output buffers (local stores: the page cache copies once, no page of the map
+is touched while building) or copied from the in-memory batch (remote stores). Token ids are gathered
+as stored (int32) and widened to int64 in one pass per minibatch; a row's crc32c is checked over the
+very bytes delivered. Background threads (two by default; numpy,
 `pread` and crc32c release the GIL) build the next minibatches; at most `prefetch` + 1 minibatches
 are alive (the one in use, the ones ahead and those being built), output buffers are reused once
-released, and the pages of the shard maps are dropped after each minibatch, so peak memory stays
-near two minibatches whatever the dataset size."""
+released, no shard page stays mapped, and the rest of a split row is read to verify it in fixed-size
+chunks, so peak memory stays near two minibatches whatever the dataset size."""
 from __future__ import annotations
 
 import os
@@ -26,6 +27,7 @@ from dataplane.store import MappedShard, ShardStore
 from dataplane.types import Batch, Plan
 
 _END = object()
+VERIFY_CHUNK_BYTES = 1 << 20  # rest of a split row, read only to check its checksum, in chunks of this size
 
 
 class _Failure:
@@ -33,41 +35,62 @@ class _Failure:
         self.exc = exc
 
 
+class _ShardIndex:
+    """What the loader needs of one open shard, copied out of the map once at open so a build never
+    touches the map again: the id column (offsets + bytes), each heavy column's row offsets, the column
+    specs, and a `RangeReader`. These copies are O(rows), the same whatever the token count."""
+
+    def __init__(self, shard: MappedShard):
+        id_col, cols = decode(shard.batch)
+        _, id_off, id_data = id_col.buffers()
+        off = np.frombuffer(id_off, dtype=np.int32)[id_col.offset:id_col.offset + len(id_col) + 1]
+        self.n_rows = len(id_col)
+        self.id_off = off.astype(np.int64)
+        lo, hi = (int(off[0]), int(off[-1])) if self.n_rows else (0, 0)
+        self.id_u8 = np.frombuffer(id_data, dtype=np.uint8)[lo:hi].copy() if hi > lo else np.zeros(0, np.uint8)
+        self.id_off -= lo
+        self.offsets = {n: np.array(c.offsets, dtype=np.int64) for n, c in cols.items()}
+        self.cols = cols  # specs; values (views of the map) are read only by stores that cannot `pread`
+        self.reader = RangeReader(shard, cols)
+
+
 class OpenShards:
-    """Shards kept open across minibatches (LRU, at most `capacity`), decoded once. After each minibatch
-    `drop_pages` unmaps the pages this process touched, so RSS stays near the minibatch while reopening
-    and re-parsing footers is avoided. Stores that cannot map (remote) keep nothing open."""
+    """Shards kept open across minibatches (LRU, at most `capacity`), decoded once. Everything a build
+    reads of a shard's layout (ids, offsets) is copied out at open and the map's pages are dropped right
+    then; heavy ranges are `pread`, so a build maps no shard page at all and RSS does not grow with the
+    number of shards a minibatch touches. Stores that cannot map (remote) keep nothing open."""
 
     def __init__(self, store: ShardStore, capacity: int = 64):
         self.store = store
         self.capacity = capacity if store.use_mmap else 0
-        self.open: OrderedDict[str, tuple] = OrderedDict()
-        self.touched: set[str] = set()  # since the last drop_pages
+        self.open: OrderedDict[str, tuple[MappedShard, _ShardIndex]] = OrderedDict()
 
-    def get(self, rel: str, who: str):
-        self.touched.add(rel)
+    def get(self, rel: str, who: str) -> _ShardIndex:
         if rel in self.open:
             self.open.move_to_end(rel)
             return self.open[rel][1]
         shard = self.store.map(rel, who)
-        id_col, cols = decode(shard.batch)
-        self.open[rel] = (shard, (id_col, cols, RangeReader(shard, cols)))
-        return self.open[rel][1]
+        try:
+            index = _ShardIndex(shard)
+        except BaseException:
+            shard.close()
+            raise
+        if index.reader.fd is not None:
+            shard.drop_pages()  # footer, ids and offsets are copied: nothing of the map is needed resident
+        self.open[rel] = (shard, index)
+        return index
 
-    def drop_pages(self) -> None:
-        for rel in self.touched:
-            if rel in self.open:
-                self.open[rel][0].drop_pages()
-        self.touched.clear()
+    def trim(self) -> None:
+        """After a minibatch: close the least recently used shards beyond `capacity`."""
         while len(self.open) > self.capacity:
-            _, (shard, decoded) = self.open.popitem(last=False)
-            del decoded
+            _, (shard, index) = self.open.popitem(last=False)
+            del index
             shard.close()
 
     def close(self) -> None:
         while self.open:
-            _, (shard, decoded) = self.open.popitem(last=False)
-            del decoded
+            _, (shard, index) = self.open.popitem(last=False)
+            del index
             shard.close()
 
 
@@ -148,7 +171,7 @@ class _State:
         self.shards = OpenShards(store)
         self.iota = np.zeros(0, dtype=np.int64)
         self.stage = np.zeros(0, dtype=np.int32)  # token ids as stored, widened to int64 in one pass
-        self.scratch = np.zeros(0, dtype=np.uint8)  # bytes read only to verify a row's checksum
+        self.scratch = np.empty(VERIFY_CHUNK_BYTES, dtype=np.uint8)  # bytes read only to verify a row's checksum
 
 
 class Loader:
@@ -220,7 +243,7 @@ class Loader:
                 delivered += d
                 verified += v
         finally:
-            st.shards.drop_pages()
+            st.shards.trim()
         outs.pop("/ro", None)  # (no extra name holds "/")
         np.copyto(ids, outs["tokens"], casting="unsafe")
         for name in self.extras:  # a rank with nothing in this minibatch still gets typed, empty fields
@@ -256,7 +279,8 @@ class Loader:
         (bytes delivered into the outputs, bytes read only to verify: other columns, rest of split rows)."""
         p = self.plan
         rel = p.shard_paths[s]
-        id_col, cols, reader = st.shards.get(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}")
+        sh = st.shards.get(rel, who=f"trajectory {str(p.ids[traj[ks[0]]])!r}")
+        cols, reader = sh.cols, sh.reader
         for name in self.extras:
             if EXTRA_PREFIX + name not in cols:
                 raise DataPlaneError(f"trajectory {str(p.ids[traj[ks[0]]])!r}: shard file {self.store.full_path(rel)} "
@@ -273,13 +297,10 @@ class Loader:
         t = traj[ks]
         rows, tids = p.row[t], p.ids[t]
         path = self.store.full_path(rel)
-        n_rows = len(id_col)
-        bad = np.flatnonzero(rows >= n_rows)
+        bad = np.flatnonzero(rows >= sh.n_rows)
         if not bad.size:  # the row must still hold the trajectory the plan names
-            _, id_off, id_data = id_col.buffers()
-            id_off = np.frombuffer(id_off, dtype=np.int32)[id_col.offset:]
-            id_u8 = np.frombuffer(id_data, dtype=np.uint8)
-            lo, hi = id_off[rows].astype(np.int64), id_off[rows + 1].astype(np.int64)
+            id_u8 = sh.id_u8
+            lo, hi = sh.id_off[rows], sh.id_off[rows + 1]
             if rows.size <= 16:  # few rows of this shard in the minibatch: compare one by one
                 got = want = None
             else:  # many: compare all ids at once
@@ -294,7 +315,7 @@ class Loader:
             i = int(bad[0])
             raise StaleRowError(f"trajectory {str(tids[i])!r} (shard file {path}, row {int(rows[i])}): the shard no "
                                 "longer holds it there; re-plan from the catalog")
-        off = cols["tokens"].offsets
+        off = sh.offsets["tokens"]
         base, full = off[rows], off[rows + 1] - off[rows]
         bad = np.flatnonzero(full != p.length[t])
         if bad.size:
@@ -325,12 +346,14 @@ class Loader:
                     w = reader.stride[name]
                     crc = google_crc32c.extend(crc, ro[name][a * w:b * w])
                     continue
-                need = (row_hi - row_lo) * reader.stride[name]
-                if st.scratch.nbytes < need:
-                    st.scratch = np.empty(need, dtype=np.uint8)
-                buf = st.scratch[:need]
-                verified += reader.read(name, row_lo, row_hi, buf, who)
-                crc = google_crc32c.extend(crc, _ro_u8(buf))
+                rows_per = max(1, VERIFY_CHUNK_BYTES // reader.stride[name])  # a fixed scratch, whatever the row
+                if st.scratch.nbytes < reader.stride[name]:  # (one row of a very wide extra)
+                    st.scratch = np.empty(reader.stride[name], dtype=np.uint8)
+                for c_lo in range(row_lo, row_hi, rows_per):
+                    c_hi = min(row_hi, c_lo + rows_per)
+                    buf = st.scratch[:(c_hi - c_lo) * reader.stride[name]]
+                    verified += reader.read(name, c_lo, c_hi, buf, who)
+                    crc = google_crc32c.extend(crc, _ro_u8(buf))
             if crc != int(p.checksum[t[j]]):
                 raise ChecksumError(f"trajectory {str(tids[j])!r} (shard file {path}, row {int(rows[j])}): "
                                     f"checksum {crc:#010x} != recorded {int(p.checksum[t[j]]):#010x}: the shard "

@@ -115,3 +115,57 @@ def test_building_threads_yield_the_same_batches_in_order(sqlite_dp):
             assert all(all(bool((a == b).all()) for a, b in zip(g[2:], w[2:])) for g, w in zip(got, ref))
     with pytest.raises(dataplane.DataPlaneError, match="threads 0"):
         sqlite_dp.loader(plan, threads=0)
+
+
+def _mapped_shard_kb() -> int:
+    """Resident kB of this process's mappings of shard files (page-cache pages mapped into its tables)."""
+    kb, name = 0, ""
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            name = head[5] if len(head) > 5 else ""
+        elif head[0] == "Rss:" and name.endswith(".arrow"):
+            kb += int(head[1])
+    return kb
+
+
+def test_a_build_maps_no_shard_page_however_many_shards_it_touches(tmp_path):
+    """RSS must not grow with the number of shards a minibatch reads from (a 10x larger dataset spreads
+    a minibatch over 10x more shards): ids and offsets are copied out at open, heavy ranges `pread`."""
+    dp = dataplane.open(tmp_path / "c.db", tmp_path / "store")
+    for k in range(12):  # 12 shards, every minibatch reads from most of them
+        dp.put(make_records(60, seed=k, max_len=2000, id_prefix=f"s{k}-"))
+    plan = dp.plan(tokens_per_rank=40_000, seed=1)
+    loader = dp.loader(plan, prefetch=0)
+    seen, shards = [], []
+    orig = loader._copy_shard
+
+    def copy_shard(st, *args):
+        out = orig(st, *args)
+        seen.append(_mapped_shard_kb())
+        shards.append(args[1])
+        return out
+
+    loader._copy_shard = copy_shard
+    tokens = sum(b.num_tokens for b in loader)
+    assert tokens == plan.num_tokens and len(set(shards)) == 12 and len(shards) > 24
+    assert max(seen) == 0, seen  # no page of any shard map resident while building
+    dp.close()
+
+
+def test_verification_reads_use_a_fixed_scratch_whatever_the_row_length(tmp_path, monkeypatch):
+    from dataplane import streaming
+
+    monkeypatch.setattr(streaming, "VERIFY_CHUNK_BYTES", 1000)  # rows of 3000 tokens: 12 kB per column
+    dp = dataplane.open(tmp_path / "c.db", tmp_path / "store")
+    rec = _long()
+    dp.put([rec])
+    plan = dp.plan(tokens_per_rank=1000)
+    loader = dp.loader(plan, prefetch=0)
+    assert np.array_equal(np.concatenate([b.input_ids.numpy() for b in loader]), rec.tokens)
+    assert loader.bytes_read > loader.bytes_delivered  # the rest of the split row was read, chunk by chunk
+    assert all(st.scratch.nbytes <= 1000 for st in loader._states)
+    _flip(_only_shard(dp), np.asarray(rec.tokens[2500:2504], dtype=np.int32).tobytes())
+    with pytest.raises(dataplane.ChecksumError, match=r"trajectory 'long' .*checksum"):
+        list(dp.loader(plan, prefetch=0))
+    dp.close()
