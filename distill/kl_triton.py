@@ -12,7 +12,8 @@ the batch):
      walk the M blocks of one vocab block back to back so each W tile is read from HBM once.
    - "cublas" (default for bf16/fp16 on CUDA: faster on an H200, see bench/results/kl.json): the two
      logit GEMMs run in cuBLAS with float32 output (`torch.mm(..., out_dtype=torch.float32)`, never
-     rounded to bf16), and `_tile_stats_kernel` reads them back for the same statistics.
+     rounded to bf16) into preallocated buffers, and `_tile_stats_kernel` reads them back for the
+     same statistics.
 2. `_row_reduce_kernel`: combines the tile statistics in a fixed order into lse(a), E_p[a - b] and
    KL per token (online-softmax rescaling).
 3. `_dlogits_kernel`: dlogits_s = c_i / T * p_s * ((a - b) - E_p[a - b]), in the student's dtype
@@ -21,8 +22,11 @@ the batch):
    shapes, no atomics, fixed order: deterministic).
 
 Nothing of size [N, V] exists in HBM: the buffers hold C (logits) and grad_group * C (dlogits) rows.
-Optional `overlap`: the statistics / dlogits of a chunk run on a second stream beside the GEMMs
-(bit-identical results; measured no faster on an H200).
+Option `overlap`: steps 1b-3 of chunk i run on a second stream beside the logits GEMMs of chunk i+1
+and the gradient GEMMs of the previous group (double-buffered logits and dlogits; same kernels,
+shapes and order per buffer: bit-identical to the serial schedule). Measured slower than the serial
+default on an H200 (bench/results/kl.json): the cuBLAS kernels hold every SM, so the side kernels
+only run in the gaps, and the double buffers force chunks of 512 tokens under the memory goal.
 """
 from __future__ import annotations
 
@@ -198,13 +202,13 @@ def default_chunk_tokens(vocab_size: int, block_m: int, chunk_bytes: int = CHUNK
     return max(block_m, rows // block_m * block_m)
 
 
-def _mm_f32(h, W):
-    """float32 logits h @ W.T from cuBLAS without rounding them to the input dtype."""
-    if h.dtype == torch.float32:
-        return h @ W.T
-    if h.device.type == "cuda":
-        return torch.mm(h, W.T, out_dtype=torch.float32)
-    return h.float() @ W.float().T  # CPU tests of the variant
+def _mm_f32(a, b, out):
+    """out = a @ b in float32 (cuBLAS float32 output: the product is never rounded to the input dtype)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b, out=out)
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+    return torch.mm(a.float(), b.float(), out=out)  # CPU tests of the variant
 
 
 def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool, *,
@@ -214,36 +218,7 @@ def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool
     h_s, W_s, h_t, W_t = (x.contiguous() for x in (h_s, W_s, h_t, W_t))
     run = _ChunkRunner(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, cfg,
                        chunk_tokens or cfg.get("chunk_tokens") or default_chunk_tokens(W_s.shape[0], cfg["BLOCK_M"]))
-    starts = range(0, h_s.shape[0], run.C)
-    if not run.overlap:
-        P = run.group  # chunks whose dlogits share one pair of gradient GEMMs
-        for i, t0 in enumerate(starts):
-            hs_c, zs, zt = run.logits(t0)
-            run.stats_and_dlogits(t0, zs, zt, slot=i % P)
-            zs = zt = None  # "cublas" allocates each chunk's logits: free these before the next ones
-            if i % P == P - 1 or t0 + run.C >= h_s.shape[0]:
-                run.group_grads(t0 - (i % P) * run.C, filled=i % P + 1)
-        return run.result()
-    # Two streams: the memory-bound statistics / dlogits of chunk i run beside the compute-bound GEMMs
-    # of chunk i+1 (and the gradient GEMMs of chunk i-1). Same kernels, same shapes, same order per
-    # buffer: results are bit-identical to the serial schedule.
-    main, side = torch.cuda.current_stream(), torch.cuda.Stream(device=h_s.device)
-    pending = None
-    for t0 in starts:
-        hs_c, zs, zt = run.logits(t0)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            dl = run.stats_and_dlogits(t0, zs, zt)
-        for x in (zs, zt):
-            x.record_stream(side)
-        zs = zt = None
-        if pending is not None:
-            run.grads(*pending)
-        main.wait_stream(side)
-        if dl is not None:
-            dl.record_stream(main)
-        pending = (t0, dl, hs_c)
-    run.grads(*pending)
+    run.sweep()
     return run.result()
 
 
@@ -258,21 +233,23 @@ class _ChunkRunner:
         self.inv_T = 1.0 / float(temperature)
         self.interpreted = dev.type != "cuda"
         self.fused = cfg["variant"] == "fused"
-        self.overlap = bool(cfg.get("overlap")) and not self.fused and dev.type == "cuda"
-        self.group = 1 if self.overlap else int(cfg.get("grad_group", 1))
+        # overlap: double buffers and the pipelined order on any device, the second stream on CUDA only
+        self.pipelined = bool(cfg.get("overlap")) and not self.fused
+        self.overlap = self.pipelined and dev.type == "cuda"
+        self.group = int(cfg.get("grad_group", 1))
+        self.slots = 2 if self.pipelined else 1  # logits buffers and dlogits groups in flight
         self.nvb = triton.cdiv(V, cfg["BLOCK_V"])
         f32 = dict(dtype=torch.float32, device=dev)
         self.stats = torch.empty(N_STATS, C, self.nvb, **f32)
         self.kl_N = torch.empty(N, **f32)
         self.kl_C, self.lse_C, self.mean_C = (torch.empty(C, **f32) for _ in range(3))
         self.coef_C = torch.zeros(C, **f32)
-        self.zs = torch.empty(C, V, **f32) if self.fused else None
-        self.zt = torch.empty(C, V, **f32) if self.fused else None
+        self.z = [(torch.empty(C, V, **f32), torch.empty(C, V, **f32)) for _ in range(self.slots)]
         self.dl, self.dh, self.dW = None, None, None
         if need_grad:
             # fp16 cannot hold dlogits (~c / V: subnormal): keep them and the dW sum in float32 for fp16
             self.dl_dtype = torch.float32 if h_s.dtype == torch.float16 else h_s.dtype
-            self.dl = None if self.overlap else torch.empty(self.group * C, V, dtype=self.dl_dtype, device=dev)
+            self.dl = torch.empty(self.slots * self.group * C, V, dtype=self.dl_dtype, device=dev)
             self.dh = torch.empty(N, HS, dtype=h_s.dtype, device=dev)
             dW_dtype = torch.float32 if self.dl_dtype != W_s.dtype else W_s.dtype
             self.dW = torch.empty(V, HS, dtype=dW_dtype, device=dev)
@@ -284,28 +261,71 @@ class _ChunkRunner:
             rows = torch.cat([rows, rows.new_zeros(count - rows.shape[0], x.shape[1])])
         return rows
 
-    def logits(self, t0):
-        """Chunk rows (padded) and float32 logits z_s, z_t [C, V]; the fused kernel also writes the statistics."""
+    def sweep(self):
+        """All chunks: serial, or with statistics / dlogits on a second stream (`overlap`)."""
+        C, P = self.C, self.group
+        n_chunks = triton.cdiv(self.kl_N.shape[0], C)
+        main = torch.cuda.current_stream() if self.overlap else None
+        side = torch.cuda.Stream(device=self.h_s.device) if self.overlap else None
+        done, pending = [None] * n_chunks, None
+        for i in range(n_chunks):
+            k = i % self.slots
+            if self.overlap and i >= self.slots:
+                main.wait_event(done[i - self.slots])  # the side stream has read logits slot k
+            self.logits(i * C, k)
+            base = (i // P) % self.slots * P * C  # first dlogits row of this chunk's group
+            row = base + i % P * C
+            if self.overlap:
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    self.stats_and_dlogits(i * C, k, row)
+                done[i] = side.record_event()
+            else:
+                self.stats_and_dlogits(i * C, k, row)
+            if pending is not None:  # the previous group's gradient GEMMs, queued behind this chunk's logits
+                self._flush(main, done, *pending)
+                pending = None
+            if i % P == P - 1 or i == n_chunks - 1:
+                job = ((i - i % P) * C, i % P + 1, base, i)
+                if self.pipelined:
+                    pending = job
+                else:
+                    self.group_grads(*job[:-1])
+        if pending is not None:
+            self._flush(main, done, *pending)
+        if self.overlap:
+            main.wait_stream(side)
+
+    def _flush(self, main, done, t_first, filled, base, last):
+        if self.overlap:
+            main.wait_event(done[last])
+        self.group_grads(t_first, filled, base)
+
+    def logits(self, t0, k):
+        """float32 logits z_s, z_t [C, V] of the chunk into slot k; the fused kernel also writes the statistics."""
         cfg, C = self.cfg, self.C
         hs_c, ht_c = self._rows(self.h_s, t0), self._rows(self.h_t, t0)
+        zs, zt = self.z[k]
         if not self.fused:  # "cublas": logits GEMMs in cuBLAS with float32 output
-            return hs_c, _mm_f32(hs_c, self.W_s), _mm_f32(ht_c, self.W_t)
+            _mm_f32(hs_c, self.W_s.T, zs)
+            _mm_f32(ht_c, self.W_t.T, zt)
+            return
         HS, HT, V = hs_c.shape[1], ht_c.shape[1], self.W_s.shape[0]
         BK = cfg["BLOCK_K"]
         precision = "ieee" if self.interpreted or torch.float32 in (hs_c.dtype, ht_c.dtype) else "tf32"
         grid = (triton.cdiv(C, cfg["BLOCK_M"]) * self.nvb,)
         _logits_stats_kernel[grid](
-            hs_c, self.W_s, ht_c, self.W_t, self.zs, self.zt, self.stats, C, V, HS, HT,
-            hs_c.stride(0), self.W_s.stride(0), ht_c.stride(0), self.W_t.stride(0), self.zs.stride(0),
+            hs_c, self.W_s, ht_c, self.W_t, zs, zt, self.stats, C, V, HS, HT,
+            hs_c.stride(0), self.W_s.stride(0), ht_c.stride(0), self.W_t.stride(0), zs.stride(0),
             self.stats.stride(0), self.stats.stride(1), self.inv_T,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_V=cfg["BLOCK_V"], BLOCK_K=BK, EVEN_K=HS % BK == 0 and HT % BK == 0,
             PRECISION=precision, DOT_F32=self.interpreted, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        return hs_c, self.zs, self.zt
 
-    def stats_and_dlogits(self, t0, zs, zt, slot: int = 0):
-        """Per-token lse, E_p[a - b] and KL; dlogits [C, V] when gradients are wanted."""
+    def stats_and_dlogits(self, t0, k, row):
+        """Per-token lse, E_p[a - b] and KL of the chunk in slot k; its dlogits into rows row:row + C."""
         cfg, C, st, V = self.cfg, self.C, self.stats, self.W_s.shape[0]
         n = min(C, self.kl_N.shape[0] - t0)
+        zs, zt = self.z[k]
         if not self.fused:
             grid = (triton.cdiv(C, cfg["BLOCK_M"]) * self.nvb,)
             _tile_stats_kernel[grid](zs, zt, st, C, V, zs.stride(0), st.stride(0), st.stride(1), self.inv_T,
@@ -314,34 +334,25 @@ class _ChunkRunner:
                                  BLOCK=256)
         self.kl_N[t0:t0 + n] = self.kl_C[:n]
         if not self.need_grad:
-            return None
+            return
         self.coef_C.zero_()
         self.coef_C[:n] = self.coef_N[t0:t0 + n] * self.inv_T
-        if self.dl is not None:
-            dl = self.dl[slot * C:(slot + 1) * C]
-        else:
-            dl = torch.empty(C, V, dtype=self.dl_dtype, device=zs.device)
+        dl = self.dl[row:row + C]
         _dlogits_kernel[(C, triton.cdiv(V, cfg["EW_BLOCK"]))](
             zs, zt, dl, self.lse_C, self.mean_C, self.coef_C, V, zs.stride(0), dl.stride(0), self.inv_T,
             BLOCK=cfg["EW_BLOCK"], num_warps=4 if self.interpreted else 8)
-        return dl
 
-    def group_grads(self, t_first, filled: int):
-        """Gradient GEMMs over the `group` chunks starting at token t_first (always group * C rows:
-        slots no chunk filled are zeroed, so every launch has the same shape)."""
+    def group_grads(self, t_first, filled: int, base: int):
+        """Gradient GEMMs over the `group` chunks from token t_first, dlogits from buffer row `base`
+        (always group * C rows: slots no chunk filled are zeroed, so every launch has the same shape)."""
         if not self.need_grad:
             return
         rows = self.group * self.C
         if filled < self.group:
-            self.dl[filled * self.C:].zero_()
+            self.dl[base + filled * self.C:base + rows].zero_()
         n = min(rows, self.kl_N.shape[0] - t_first)  # the valid rows are a prefix of the group
-        _grad_gemms(self.dl, self.W_s, self._rows(self.h_s, t_first, rows), self.dh[t_first:t_first + n], self.dW,
-                    first=t_first == 0)
-
-    def grads(self, t0, dl, hs_c):
-        if self.need_grad:
-            n = min(self.C, self.kl_N.shape[0] - t0)
-            _grad_gemms(dl, self.W_s, hs_c, self.dh[t0:t0 + n], self.dW, first=t0 == 0)
+        _grad_gemms(self.dl[base:base + rows], self.W_s, self._rows(self.h_s, t_first, rows),
+                    self.dh[t_first:t_first + n], self.dW, first=t_first == 0)
 
     def result(self):
         if not self.need_grad:

@@ -73,9 +73,11 @@ def test_variants_agree():
     assert rel_err(fused[0], cublas[0]) <= 1e-5
     assert rel_err(fused[1], cublas[1]) <= 1e-2 and rel_err(fused[2], cublas[2]) <= 1e-2
     # the two-stream schedule runs the same kernels on the same buffers: bit-identical to serial
-    overlap = kl_triton.kl_and_grads(*x, coef, 1.0, True, config=dict(variant="cublas", overlap=True))
-    for a, b in zip(cublas, overlap):
-        assert torch.equal(a, b)
+    for extra in (dict(), dict(chunk_tokens=512, grad_group=4)):
+        serial = kl_triton.kl_and_grads(*x, coef, 1.0, True, config=dict(variant="cublas", **extra))
+        overlap = kl_triton.kl_and_grads(*x, coef, 1.0, True, config=dict(variant="cublas", overlap=True, **extra))
+        for a, b in zip(serial, overlap):
+            assert torch.equal(a, b)
 
 
 def test_deterministic_and_batch_invariant_full_shape():
