@@ -6,7 +6,10 @@ On CUDA (the issue's setting: bf16, V = 129,280, H = 4,096, N in {4,096, 16,384}
 - `liger`: Liger-Kernel's `LigerFusedLinearJSD(jsd_beta=1.0)` (reverse KL), where installed;
 - `ours`: `distill.reverse_kl` (fused Triton path), after trying a few launch configurations (`tune`);
 - the GEMM roofline 8*N*H*V FLOPs (two logit GEMMs, dX, dW) at the measured bf16 GEMM rate (the
-  better of the same-shape logits GEMM and an 8192^3 product).
+  better of the same-shape logits GEMM and an 8192^3 product);
+- `gemm_only`: our cuBLAS GEMMs alone, back to back (and the full-batch bf16 ones eager / compile run),
+  `logits_gemm_sm_carveout`: the logits GEMM with SMs left free for a second stream, and `analysis`:
+  what each speed goal leaves for the softmax passes once the GEMMs are paid.
 Gradient accuracy: relative L2 error of dh and dW against the fp64 reference (bf16 inputs, N = 1,024).
 Peak extra memory: max allocated during one forward+backward minus what was allocated before it.
 
