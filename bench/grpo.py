@@ -1,17 +1,24 @@
 """GRPO learner: tokens/s and MFU of the packed train step against a naive step, in the same run.
 
-Ours: `learner.train_step.Learner` — sequences packed end to end into micro-batches of P tokens
-(4k, 8k, 16k on GPU), block-diagonal attention from position ids (flash-attention varlen when
-installed), fused LM head + log-softmax in row chunks (no [N, V] fp32 tensor), GRPO loss, AdamW.
+Ours: `learner.train_step.Learner` — sequences packed end to end; packs that fit the micro-batch budget
+together run as one micro-batch; on GPU each decoder layer is compiled (torch.compile: fused RMSNorm,
+RoPE, SwiGLU, residuals) and attention is torch's flash-attention varlen kernel over the pack's
+sequences (`learner/packed_attention.py`); the LM head is fused with the log-softmax in row chunks
+(no [N, V] fp32 tensor; one compiled kernel per chunk for the fp32 reductions over bf16 logits),
+GRPO loss, fused AdamW; fp32 master weights under bf16 autocast.
 Naive: the same sequences, same micro-batch grouping, padded to the longest of each micro-batch,
-plain HF forward with an attention mask, full logits, fp32 log_softmax over the vocabulary, the plain
-PyTorch reference loss (`padded_reference_loss`), AdamW. Both take the same optimizer steps on the
+plain HF forward (SDPA) with an attention mask, full logits, fp32 log_softmax over the vocabulary, the
+plain PyTorch reference loss (`padded_reference_loss`), AdamW. Both take the same optimizer steps on the
 same data from the same weights; tokens/s counts real (unpadded) tokens. The two steps alternate,
 K times each, and each side's best step time is reported (medians too).
 
-MFU = model FLOPs / s / peak, model FLOPs = 6 · (non-embedding params + LM head) · tokens
-+ 6 · layers · hidden · Σ_seq len² (causal attention, forward + backward); peak = 989.4 TFLOP/s (H200
-dense bf16). On CPU the tiny config runs in fp32 and the GPU targets are reported as not applicable.
+MFU = model FLOPs / s / peak. Model FLOPs per step = 6 · P · tokens + 6 · layers · hidden · Σ_seq len²:
+P = the matmul parameters (q, k, v, o, gate, up, down of every layer, + the LM head, which the tied
+embedding is; the embedding lookup, norms and biases are not counted), 6 = forward 2 + backward 4
+FLOPs per parameter and token; the second term is causal attention (QKᵀ and AV, forward + backward,
+the causal half only: PaLM's 12·layers·hidden·len per token, halved). Work we repeat (the LM head's
+recomputed logits) is not counted. Peak = 989.4 TFLOP/s (H200 dense bf16, no sparsity). On CPU the
+tiny config runs in fp32 and the GPU targets are reported as not applicable.
 
     python -m bench.grpo --json [--device auto|cpu|cuda] [--steps 5] [--out bench/results/grpo.json]
 """
@@ -160,7 +167,7 @@ def _time_steps(fn, steps: int, sync) -> list[float]:
     return times
 
 
-def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
+def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | None = None) -> dict:
     import torch
 
     from learner.grpo_config import GRPOConfig
@@ -174,15 +181,12 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
         # One thread: on a small shared CPU, oversubscribed intra-op threads made every step ~10x slower.
         torch.set_num_threads(1)
     dtype = torch.float32  # fp32 master weights; the GPU run computes under bf16 autocast
-    if attn is None:
-        attn = "sdpa"  # CPU: a block-diagonal mask from the position ids
-        if cuda:  # packed documents need varlen attention, else a 16k pack pays for 16k² scores
-            try:
-                import flash_attn  # noqa: F401
-
-                attn = "flash_attention_2"
-            except ImportError:
-                attn = "flex_attention"  # document mask as a BlockMask, compiled by torch
+    attn = attn or "auto"
+    # Our attention: a learner.packed_attention backend over the model built with sdpa, or the HF
+    # implementation the model is built with ('hf:NAME').
+    hf_attn = attn[3:] if attn.startswith("hf:") else "sdpa"
+    learner_attn = "hf" if attn.startswith("hf:") else attn
+    compile_layers = cuda if compile is None else compile
     packs = [4096, 8192, 16384] if cuda else [256, 512, 1024]
     num_packs = 2
     len_range = (256, 4096) if cuda else (16, 256)
@@ -194,9 +198,9 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     res = dict(bench="grpo", device=_device_name(device_kind), device_kind=device_kind,
                model=dict(model_cfg, arch="qwen2", param_dtype="float32", compute_dtype="bfloat16" if cuda else "float32",
-                         attn_implementation=attn), threads=None if cuda else 1,
+                         attn_implementation=hf_attn), threads=None if cuda else 1,
                steps_measured=steps, packs_per_step=num_packs, seq_len_range=list(len_range), results={})
-    base = _build(model_cfg, device, dtype, attn)
+    base = _build(model_cfg, device, dtype, hf_attn)
     naive_base = _build(model_cfg, device, dtype, "sdpa")  # same seed, same weights
     res["model"]["params"] = sum(p.numel() for p in base.parameters())
     tot = dict(ours_tokens=0, ours_s=0.0, naive_tokens=0, naive_s=0.0, flops=0.0)
@@ -207,7 +211,13 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
         _log(f"pack {P}: {tokens} tokens/step in {sum(mb.num_seqs for mb in mbs)} sequences")
         row: dict = dict(pack_tokens=P, tokens_per_step=tokens, model_flops_per_step=flops)
 
-        learner = Learner(copy.deepcopy(base), cfg)
+        def make_learner():
+            return Learner(copy.deepcopy(base), cfg, attention=learner_attn, compile=compile_layers)
+
+        learner = make_learner()
+        res.setdefault("ours", dict(attention=learner.attention or f"hf:{hf_attn}", compiled_layers=compile_layers,
+                                    merge_micro_batches=learner.merge_micro_batches,
+                                    logprob_chunk_rows=cfg.learner.logprob_chunk_rows))
         naive_model = copy.deepcopy(naive_base)
         opt, _ = build_optimizer(naive_model, cfg.optim)
 
@@ -218,16 +228,20 @@ def run(device_kind: str, steps: int, attn: str | None = None) -> dict:
             opt.zero_grad(set_to_none=True)
 
         # Interleaved, best of K: on a shared machine the load drifts; both sides see the same drift.
-        try:
-            learner.train_step(mbs)  # warm-up (and compilation, for flex attention)
+        try:  # warm-up: compilation, and on the second step the dynamic-shape recompile if any
+            t0 = time.perf_counter()
+            for _ in range(2 if cuda else 1):
+                row["ours_micro_batches"] = learner.train_step(mbs)["micro_batches"]
+            row["ours_warmup_s"] = time.perf_counter() - t0
         except Exception as exc:  # noqa: BLE001 - a missing attention backend: fall back, say so
-            if attn == "sdpa":
+            if learner_attn == "hf" and hf_attn == "sdpa":
                 raise
-            _log(f"{attn} failed ({type(exc).__name__}: {exc}); falling back to sdpa")
-            res["model"]["attn_error"] = f"{attn}: {type(exc).__name__}: {str(exc)[:300]}"
-            attn = res["model"]["attn_implementation"] = "sdpa"
-            base = _build(model_cfg, device, dtype, attn)
-            learner = Learner(copy.deepcopy(base), cfg)
+            _log(f"{attn} failed ({type(exc).__name__}: {exc}); falling back to the model's sdpa, uncompiled")
+            res["ours"]["error"] = f"{attn}: {type(exc).__name__}: {str(exc)[:300]}"
+            attn, hf_attn, learner_attn, compile_layers = "hf:sdpa", "sdpa", "hf", False
+            res["ours"].update(attention="hf:sdpa", compiled_layers=False)
+            base = _build(model_cfg, device, dtype, "sdpa")
+            learner = make_learner()
             learner.train_step(mbs)
         naive_ok, t_ours, t_naive, peak = True, [], [], {}
         try:
@@ -307,9 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
     p.add_argument("--steps", type=int, default=5, help="measured optimizer steps per pack size and side (best of)")
-    p.add_argument("--attn", choices=["sdpa", "flash_attention_2", "flex_attention", "eager"],
-                   help="attention of the packed step (default: flash_attention_2 if installed, else "
-                        "flex_attention on GPU; sdpa on CPU); the naive step always uses sdpa with padding")
+    p.add_argument("--attn", choices=["auto", "varlen", "sdpa_docs", "hf:sdpa", "hf:flash_attention_2",
+                                      "hf:flex_attention", "hf:eager"],
+                   help="attention of the packed step: auto (flash varlen on GPU, the model's sdpa with a "
+                        "block-diagonal mask on CPU), a learner.packed_attention backend, or hf:IMPL; the "
+                        "naive step always uses sdpa with padding")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile each decoder layer of the packed step (default: on GPU)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)
     import torch
@@ -319,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.errors import UserError
 
         raise UserError("bench grpo --device cuda: no CUDA device is visible")
-    res = run(kind, max(1, a.steps), a.attn)
+    res = run(kind, max(1, a.steps), a.attn, a.compile)
     text = json.dumps(res, indent=2, sort_keys=True, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
     if a.out:
         from deploy.atomic import write_atomic

@@ -67,6 +67,7 @@ class LossInputs:
     # Global normalisers across micro-batches and ranks; None: this pack alone.
     total_loss_tokens: float | None = None
     total_seqs: float | None = None
+    num_loss_tokens: int | None = None  # loss tokens of this pack when the caller knows them (saves a sync)
 
 
 @dataclass
@@ -97,8 +98,8 @@ def kl_estimate(logprobs_N: torch.Tensor, ref_logprobs_N: torch.Tensor, estimato
 def aggregation_weights(opts: LossOptions, inp: LossInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(w_N, sequences counted in this pack) — see the module docstring."""
     mask_N = inp.loss_mask_N.to(torch.float64)
-    num_seqs = int(inp.seq_ids_N.max().item()) + 1 if inp.seq_ids_N.numel() else 0
     if inp.seq_loss_tokens_S is None:
+        num_seqs = int(inp.seq_ids_N.max().item()) + 1 if inp.seq_ids_N.numel() else 0
         seq_tokens_S = torch.zeros(num_seqs, dtype=torch.float64, device=mask_N.device)
         seq_tokens_S.index_add_(0, inp.seq_ids_N, mask_N)
     else:
@@ -154,7 +155,7 @@ def grpo_loss(inp: LossInputs, opts: LossOptions) -> LossOutputs:
     loss = (per_token_N * w_N.to(per_token_N.dtype)).sum()
 
     with torch.no_grad():
-        n = int(mask_N.sum().item())
+        n = inp.num_loss_tokens if inp.num_loss_tokens is not None else int(mask_N.sum().item())
         denom = max(n, 1)
 
         def mean(x_N: torch.Tensor) -> torch.Tensor:
@@ -228,9 +229,16 @@ class _FusedLogprobHead(torch.autograd.Function):
         lse_N = torch.empty_like(logp_N)
         ent_N = torch.empty_like(logp_N) if with_entropy else None
         w_VH = weight_VH.to(compute_dtype)
+        fused = _fused_kernels(hidden_NH, compute_dtype)
         for a in range(0, n, chunk_rows):
             b = min(n, a + chunk_rows)
-            logits_CV = (hidden_NH[a:b].to(compute_dtype) @ w_VH.t()).to(out_dtype)
+            logits_CV = hidden_NH[a:b].to(compute_dtype) @ w_VH.t()
+            if fused is not None:  # one kernel reads the low-precision logits, fp32 inside
+                lse_N[a:b], logp_N[a:b], ent_C = fused[0](logits_CV, labels_N[a:b], with_entropy)
+                if with_entropy:
+                    ent_N[a:b] = ent_C
+                continue
+            logits_CV = logits_CV.to(out_dtype)
             lse_C = torch.logsumexp(logits_CV, dim=-1)
             lse_N[a:b] = lse_C
             logp_N[a:b] = logits_CV.gather(-1, labels_N[a:b, None]).squeeze(-1) - lse_C
@@ -239,6 +247,7 @@ class _FusedLogprobHead(torch.autograd.Function):
                 ent_N[a:b] = -(logits_CV.exp() * logits_CV).sum(-1)
         ctx.save_for_backward(hidden_NH, weight_VH, labels_N, lse_N, ent_N if with_entropy else lse_N)
         ctx.chunk_rows, ctx.with_entropy, ctx.compute_dtype = chunk_rows, with_entropy, compute_dtype
+        ctx.fused = fused is not None
         if with_entropy:
             return logp_N, ent_N
         return logp_N, torch.zeros(0, dtype=out_dtype, device=hidden_NH.device)
@@ -255,9 +264,18 @@ class _FusedLogprobHead(torch.autograd.Function):
                                 device=weight_VH.device) if need_w else None
         g_logp_N = g_logp_N if g_logp_N is not None else torch.zeros_like(lse_N)
         n = hidden_NH.shape[0]
+        fused = _fused_kernels(hidden_NH, cd) if ctx.fused else None
         for a in range(0, n, ctx.chunk_rows):
             b = min(n, a + ctx.chunk_rows)
             h_CH = hidden_NH[a:b].to(cd)
+            if fused is not None:  # dlogits in one kernel, written in the compute dtype
+                grad_CV = fused[1](h_CH @ w_VH.t(), lse_N[a:b], labels_N[a:b], g_logp_N[a:b],
+                                   ent_N[a:b] if use_ent else None, g_ent_N[a:b] if use_ent else None)
+                if need_h:
+                    grad_h_NH[a:b] = (grad_CV @ w_VH).to(hidden_NH.dtype)
+                if need_w:
+                    grad_w_VH += (grad_CV.t() @ h_CH).to(grad_w_VH.dtype)
+                continue
             logp_CV = (h_CH @ w_VH.t()).to(lse_N.dtype).sub_(lse_N[a:b, None])
             p_CV = logp_CV.exp()
             if use_ent:  # g_H · (−p (log p + H))
@@ -272,6 +290,42 @@ class _FusedLogprobHead(torch.autograd.Function):
             if need_w:
                 grad_w_VH += (grad_CV.t() @ h_CH).to(grad_w_VH.dtype)
         return grad_h_NH, grad_w_VH.to(weight_VH.dtype) if need_w else None, None, None, None, None
+
+
+# -- the chunk's elementwise work as single kernels (torch.compile), for CUDA in bf16/fp16 ----------
+_FUSED: tuple | None = None
+_FUSED_ENABLED = {"cuda": True}  # device types on which the compiled kernels are used (tests add "cpu")
+
+
+def _chunk_forward(logits_CV, labels_C, with_entropy: bool):
+    x_CV = logits_CV.float()
+    lse_C = torch.logsumexp(x_CV, dim=-1)
+    logp_C = x_CV.gather(-1, labels_C[:, None]).squeeze(-1) - lse_C
+    ent_C = lse_C - (torch.exp(x_CV - lse_C[:, None]) * x_CV).sum(-1) if with_entropy else None
+    return lse_C, logp_C, ent_C
+
+
+def _chunk_backward(logits_CV, lse_C, labels_C, g_logp_C, ent_C, g_ent_C):
+    """dL/dlogits = g_logp (onehot − p) [− g_H p (log p + H)], in the logits' dtype."""
+    logp_CV = logits_CV.float() - lse_C[:, None]
+    p_CV = torch.exp(logp_CV)
+    grad_CV = -p_CV * g_logp_C[:, None]
+    if ent_C is not None:
+        grad_CV = grad_CV - g_ent_C[:, None] * p_CV * (logp_CV + ent_C[:, None])
+    hit_CV = torch.arange(logits_CV.shape[1], device=logits_CV.device)[None, :] == labels_C[:, None]
+    grad_CV = grad_CV + torch.where(hit_CV, g_logp_C[:, None], 0.0)
+    return grad_CV.to(logits_CV.dtype)
+
+
+def _fused_kernels(hidden_NH: torch.Tensor, compute_dtype: torch.dtype):
+    """(forward, backward) compiled chunk kernels where they apply (low-precision logits on an enabled
+    device), else None: the eager path keeps fp32/fp64 logits exactly as before."""
+    global _FUSED
+    if not _FUSED_ENABLED.get(hidden_NH.device.type) or compute_dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if _FUSED is None:
+        _FUSED = (torch.compile(_chunk_forward, dynamic=None), torch.compile(_chunk_backward, dynamic=None))
+    return _FUSED
 
 
 def logprobs_from_hidden(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,

@@ -23,6 +23,7 @@ import torch
 from learner.grpo_config import GRPOConfig
 from learner.grpo_loss import LossInputs, grpo_loss, logprobs_from_hidden, seq_ids_from_cu_seqlens
 from learner.optim import build_optimizer
+from learner.packed_attention import pick_backend, use_packed_attention
 from learner.staleness import apply_staleness_bound
 
 # The data plane's loader may name fields differently; each PackedBatch field accepts these keys.
@@ -184,6 +185,20 @@ def idle_batch() -> PackedBatch:
                        behaviour_logprobs_N=torch.zeros(2), advantages_N=torch.zeros(2))
 
 
+def merge_packs(batches: list[PackedBatch], max_tokens: int) -> list[PackedBatch]:
+    """Consecutive packs joined while together they hold at most `max_tokens` tokens (order kept;
+    packs whose optional fields differ in presence stay apart)."""
+    out: list[list[PackedBatch]] = []
+    for b in batches:
+        group = out[-1] if out else None
+        if (group and sum(g.num_tokens for g in group) + b.num_tokens <= max_tokens
+                and all((getattr(b, f.name) is None) == (getattr(group[0], f.name) is None) for f in fields(b))):
+            group.append(b)
+        else:
+            out.append([b])
+    return [g[0] if len(g) == 1 else concat(g) for g in out]
+
+
 def concat(batches: list[PackedBatch]) -> PackedBatch:
     """One pack of several (sequences keep their order)."""
     kw = {}
@@ -208,17 +223,25 @@ class LogprobModel(torch.nn.Module):
 
     A module (not a function) so DDP can wrap it and see the forward it must synchronise."""
 
-    def __init__(self, model, chunk_rows: int = 2048):
+    def __init__(self, model, chunk_rows: int = 2048, attention: str | None = None):
         super().__init__()
         self.model = model
         self.chunk_rows = chunk_rows
+        self.attention = attention  # a learner.packed_attention backend; None: the model's own
 
     def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False,
-                with_entropy: bool = True):
+                with_entropy: bool = True, cu_seqlens_S1=None, max_seqlen: int | None = None):
         trunk = self.model.base_model
-        # use_cache=False: with a cache HF skips the packed-sequence (block-diagonal) mask.
-        hidden_NH = trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
-                          use_cache=False).last_hidden_state[0]
+        if self.attention is None:
+            attn = contextlib.nullcontext({})
+        else:
+            if cu_seqlens_S1 is None:
+                cu_seqlens_S1 = cu_seqlens_from_positions(position_ids_N)
+            attn = use_packed_attention(self.model, self.attention, cu_seqlens_S1, max_seqlen)
+        with attn as attn_kw:
+            # use_cache=False: with a cache HF skips the packed-sequence (block-diagonal) mask.
+            hidden_NH = trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
+                              use_cache=False, **attn_kw).last_hidden_state[0]
         weight_VH = self.model.get_output_embeddings().weight
         if temperature != 1.0:
             hidden_NH = hidden_NH / temperature  # (h / T) W^T = logits / T
@@ -233,6 +256,22 @@ class LogprobModel(torch.nn.Module):
             return logp_N, None
         ent = ent if entropy_grad else ent.detach()
         return logp_N, torch.cat([zero, ent]).masked_fill(starts_N, 0.0)
+
+
+def cu_seqlens_from_positions(position_ids_N: torch.Tensor) -> torch.Tensor:
+    """[0, 1, 2, 0, 1] -> [0, 3, 5]: a sequence starts where its position is 0."""
+    starts = torch.nonzero(position_ids_N == 0).flatten()
+    return torch.cat([starts, starts.new_tensor([len(position_ids_N)])])
+
+
+def compile_layers(model) -> None:
+    """Regional compilation: each decoder layer through torch.compile (fused norms, RoPE, SwiGLU and
+    residuals), one compiled graph shared by all layers; the LM head and loss stay eager."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in model.base_model.layers:
+        layer.compile(dynamic=None)
 
 
 class Collectives:
@@ -265,10 +304,21 @@ class Learner:
     """Owns the policy, its optimizer and schedule; `train_step` applies one GRPO update."""
 
     def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, collectives: Collectives | None = None,
-                 ref_model: torch.nn.Module | None = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None):
+                 ref_model: torch.nn.Module | None = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                 attention: str = "auto", compile: bool | None = None, merge_micro_batches: bool | None = None):
+        """`attention`: 'auto' (flash varlen on CUDA, the model's own on CPU), 'hf' (the model's own), or a
+        learner.packed_attention backend. `compile`: torch.compile each decoder layer; None = on CUDA.
+        `merge_micro_batches`: consecutive packs that fit `micro_batch_tokens` together run as one
+        micro-batch (fewer, larger launches; the update is the same, the normalisers being global);
+        None = on CUDA."""
         self.cfg = cfg
         self.device = pick_device(cfg.learner.device)
         self.model = model.to(self.device)
+        self.attention = pick_backend(attention, self.device)
+        self.merge_micro_batches = (merge_micro_batches if merge_micro_batches is not None
+                                    else self.device.type == "cuda")
+        if compile if compile is not None else self.device.type == "cuda":
+            compile_layers(self.model)
         self.model.train()
         if cfg.learner.activation_checkpointing:
             kwargs = {"use_reentrant": False}
@@ -276,10 +326,11 @@ class Learner:
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.core = LogprobModel(self.model, cfg.learner.logprob_chunk_rows)
+        self.core = LogprobModel(self.model, cfg.learner.logprob_chunk_rows, self.attention)
         self.net = wrap(self.core) if wrap else self.core  # DDP when ranks > 1
         self.coll = collectives or Collectives(1)
-        self.ref = LogprobModel(ref_model.to(self.device).eval(), cfg.learner.logprob_chunk_rows) if ref_model else None
+        self.ref = (LogprobModel(ref_model.to(self.device).eval(), cfg.learner.logprob_chunk_rows, self.attention)
+                    if ref_model else None)
         self.opts = cfg.loss.options()
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
         self.step = 0  # optimizer steps taken
@@ -292,8 +343,9 @@ class Learner:
         """One optimizer step over this rank's micro-batches (every rank calls it with its share)."""
         t0 = time.perf_counter()
         metrics = self.accumulate_gradients(micro_batches)
-        metrics["grad_norm"] = self._clip()
+        grad_norm = self._clip()
         self.optimizer.step()
+        metrics["grad_norm"] = float(grad_norm)  # read after the update is queued: no GPU idle gap
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -311,37 +363,47 @@ class Learner:
         # the update independent of the cut).
         budget = self.cfg.learner.micro_batch_tokens
         pieces = [piece for mb in micro_batches for piece in mb.validate().split(budget)]
-        mbs, stale = self._bound_staleness([mb.to(self.device) for mb in pieces])
+        if self.merge_micro_batches:  # and consecutive packs that fit the budget together run as one
+            pieces = merge_packs(pieces, budget)
+        # Counts, sequence ids and lengths on the host, where the loader's tensors are: the GPU then
+        # runs the step without waiting on the host for them.
+        pieces, stale = self._bound_staleness(pieces)
         counts = torch.zeros(2, dtype=torch.float64)
-        for mb in mbs:
-            mask_N = mb.loss_mask_N.double()
-            counts[0] += mask_N.sum().cpu()
-            counts[1] += (mask_N / self._seq_loss_tokens(mb)[mb.seq_ids()].clamp(min=1)).sum().cpu()
+        mbs, host = [], []
+        for mb in pieces:
+            mask_N, seq_ids_N, seq_tokens_S = mb.loss_mask_N.double(), mb.seq_ids(), self._seq_loss_tokens(mb)
+            n = int(mask_N.sum())
+            counts[0] += n
+            counts[1] += float((mask_N / seq_tokens_S[seq_ids_N].clamp(min=1)).sum())
+            mbs.append(mb.to(self.device))
+            host.append(dict(n=n, max_len=int(mb.cu_seqlens_S1.diff().max()), seq_ids_N=seq_ids_N.to(self.device),
+                             seq_tokens_S=seq_tokens_S.to(self.device)))
         self.coll.all_reduce_sum(counts)  # global loss tokens, global sequences
         total_tokens, total_seqs = float(counts[0]), float(counts[1])
 
         need_ref = self.opts.kl_coef > 0
         sums: dict[str, torch.Tensor] = {}
         weight, loss_total, tokens = 0.0, torch.zeros((), dtype=torch.float64, device=self.device), 0
-        for i, mb in enumerate(mbs):
+        for i, (mb, h) in enumerate(zip(mbs, host)):
             ref_lp = mb.ref_logprobs_N if need_ref else None  # same metric keys on every rank
             if need_ref and ref_lp is None:
                 if self.ref is None:
                     raise ValueError("kl_coef > 0 needs ref_logprobs in the batch or a reference model")
                 with torch.no_grad(), self.autocast:
                     ref_lp = self.ref(mb.input_ids_N, mb.position_ids_N, self.cfg.loss.temperature,
-                                      with_entropy=False)[0]
+                                      with_entropy=False, cu_seqlens_S1=mb.cu_seqlens_S1, max_seqlen=h["max_len"])[0]
             last = i == len(mbs) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.net, "no_sync") else self.net.no_sync()
             with sync:
                 with self.autocast:
                     logp_N, ent_N = self.net(mb.input_ids_N, mb.position_ids_N, self.cfg.loss.temperature,
-                                             self.opts.entropy_coef > 0, self.cfg.learner.entropy_metric)
+                                             self.opts.entropy_coef > 0, self.cfg.learner.entropy_metric,
+                                             mb.cu_seqlens_S1, h["max_len"])
                 out = grpo_loss(LossInputs(
                     logprobs_N=logp_N, behaviour_logprobs_N=mb.behaviour_logprobs_N,
-                    advantages_N=mb.advantages_N, loss_mask_N=mb.loss_mask_N, seq_ids_N=mb.seq_ids(),
-                    ref_logprobs_N=ref_lp, entropy_N=ent_N, seq_loss_tokens_S=self._seq_loss_tokens(mb),
-                    total_loss_tokens=total_tokens, total_seqs=total_seqs), self.opts)
+                    advantages_N=mb.advantages_N, loss_mask_N=mb.loss_mask_N, seq_ids_N=h["seq_ids_N"],
+                    ref_logprobs_N=ref_lp, entropy_N=ent_N, seq_loss_tokens_S=h["seq_tokens_S"],
+                    total_loss_tokens=total_tokens, total_seqs=total_seqs, num_loss_tokens=h["n"]), self.opts)
                 # Each rank's loss is its share of the global loss; DDP averages, so scale back to a sum.
                 (out.loss * self.coll.world_size).backward()
             loss_total += out.loss.detach().double()
@@ -395,13 +457,13 @@ class Learner:
         return out, {"stale_tokens_removed": float(hist[-1]), "staleness_max": float(max(nz, default=0)),
                      **{f"staleness_hist_{k}": float(hist[k]) for k in nz}}
 
-    def _clip(self) -> float:
+    def _clip(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         if self.cfg.optim.grad_clip > 0:
             # CPU: per-tensor loops, the same arithmetic whatever the ranks; GPU: the foreach kernels.
             foreach = None if self.device.type == "cuda" else False
-            return float(torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach))
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
 
     # -- state for checkpoints ---------------------------------------------------------------------
     def state(self) -> dict:

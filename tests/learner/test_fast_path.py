@@ -1,0 +1,96 @@
+"""The learner's GPU fast path, checked on CPU where it can be: per-sequence attention over a pack, merged
+micro-batches, the fused LM-head chunk kernels (their math, uncompiled), backend selection."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import learner.grpo_loss as gl
+from learner.packed_attention import pick_backend
+from learner.train_step import Learner, LogprobModel, merge_packs, synthetic_packed_batch
+from tests.learner.test_group_step import LENGTHS, config, grads, tiny_model
+
+
+def test_sdpa_per_sequence_attention_equals_the_models_own():
+    model, vocab = tiny_model()
+    batch = synthetic_packed_batch(vocab, LENGTHS, seed=5)
+    out = []
+    for attention in (None, "sdpa_docs"):
+        model.zero_grad()
+        lm = LogprobModel(model, chunk_rows=7, attention=attention)
+        logp, ent = lm(batch.input_ids_N, batch.position_ids_N, cu_seqlens_S1=batch.cu_seqlens_S1)
+        (logp * batch.advantages_N.double()).sum().backward()
+        out.append((logp.detach(), ent, grads(model)))
+    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-10, atol=1e-10)
+    for name, g in out[0][2].items():
+        torch.testing.assert_close(out[1][2][name], g, rtol=1e-9, atol=1e-12, msg=name)
+    # cu_seqlens derived from the positions when not given; the model's own attention is back after the call
+    again = LogprobModel(model, attention="sdpa_docs")(batch.input_ids_N, batch.position_ids_N)[0]
+    torch.testing.assert_close(again.detach(), out[0][0], rtol=1e-10, atol=1e-10)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_merged_micro_batches_give_the_same_update():
+    base, vocab = tiny_model()
+    packs = [synthetic_packed_batch(vocab, LENGTHS[i:i + 2], seed=i) for i in range(0, 6, 2)]
+    cfg = config(loss={"aggregation": "seq-mean-token-mean", "entropy_coef": 0.01}, optim={"grad_clip": 0.5},
+                 learner={"micro_batch_tokens": 40})
+    out = []
+    for merge in (False, True):
+        model = copy.deepcopy(base)
+        metrics = Learner(model, cfg, merge_micro_batches=merge).train_step(packs)
+        out.append((model.state_dict(), metrics))
+    assert out[0][1]["micro_batches"] == 3 and out[1][1]["micro_batches"] == 2  # 23+25 > 40; 25+20 fit... by order
+    for k, w in out[0][0].items():
+        torch.testing.assert_close(out[1][0][k], w, rtol=1e-9, atol=1e-12, msg=k)
+    for key in ("loss", "grad_norm", "entropy", "clip_frac"):
+        assert out[1][1][key] == pytest.approx(out[0][1][key], rel=1e-9)
+
+
+def test_merge_packs_keeps_order_budget_and_field_presence():
+    a, b, c = (synthetic_packed_batch(50, n, seed=i) for i, n in enumerate(([5, 6], [7], [4, 4])))
+    merged = merge_packs([a, b, c], 18)
+    assert [m.num_tokens for m in merged] == [18, 8]
+    assert torch.equal(merged[0].input_ids_N, torch.cat([a.input_ids_N, b.input_ids_N]))
+    assert merged[0].cu_seqlens_S1.tolist() == [0, 5, 11, 18]
+    merged[0].validate()
+    v = synthetic_packed_batch(50, [3], seed=9, versions=(0, 1))  # has token versions; `a` has none
+    assert len(merge_packs([a, v], 100)) == 2
+    assert len(merge_packs([a, b, c], 1)) == 3
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_head_kernels_match_the_eager_chunks(with_entropy, monkeypatch):
+    """The compiled kernels' source functions, run eagerly on bf16 logits, against the eager fp32 path."""
+    torch.manual_seed(0)
+    h = torch.randn(37, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = (0.3 * torch.randn(61, 16)).requires_grad_()
+    labels = torch.randint(0, 61, (37,))
+    coef = torch.linspace(-1, 1, 37)
+    out = []
+    for fused in (False, True):
+        monkeypatch.setitem(gl._FUSED_ENABLED, "cpu", fused)
+        monkeypatch.setattr(gl, "_FUSED", (gl._chunk_forward, gl._chunk_backward))
+        lp, ent = gl.logprobs_from_hidden(h, w, labels, chunk_rows=10, with_entropy=with_entropy)
+        loss = (lp * coef).sum() + (0.3 * (ent * coef).sum() if with_entropy else 0)
+        out.append((lp, ent, *torch.autograd.grad(loss, [h, w])))
+    for got, want in zip(out[1], out[0]):
+        if want is not None:
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-3)
+    # and the fused log-probs are the fp64 truth up to bf16 rounding of the logits
+    logits = (h.double() @ w.double().t())
+    truth = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
+    torch.testing.assert_close(out[1][0].double(), truth, rtol=0, atol=5e-2)
+
+
+def test_backend_choice():
+    cpu = torch.device("cpu")
+    assert pick_backend("auto", cpu) is None and pick_backend("hf", cpu) is None
+    assert pick_backend("sdpa_docs", cpu) == "sdpa_docs"
+    with pytest.raises(ValueError, match="needs CUDA"):
+        pick_backend("varlen", cpu)
+    with pytest.raises(ValueError, match="not in"):
+        pick_backend("flash9", cpu)
