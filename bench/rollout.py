@@ -126,8 +126,9 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=2, fp=None):
             "snapshot_mb": round(snap_mb, 1), "ratio": min(t_prefill) / min(t_restore)}
 
 
-def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None, group_steps=1):
-    """Decode loop as the worker runs it (launch step t+1, then commit step t) with and without the WAL."""
+def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None, group_steps=1, append_inline=True):
+    """Decode loop as the worker runs it (launch step t+1, then commit step t) with and without the WAL.
+    append_inline=False appends in the commit thread (as for a remote log) instead of the decode loop's."""
     import wal
     from rollout.commit import AsyncCommitter
     from rollout.engine import Engine
@@ -137,7 +138,7 @@ def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None,
     params = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True)
     B, P = len(prompts), len(prompts[0])
     out = {}
-    for with_wal in (False, True, False, True):
+    for with_wal in (False, True) * 3:  # interleaved, best of three each
         eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, device=device, static_decode=static,
                      fingerprint=fp)
         log = wal.open(Path(wal_dir) / f"w{len(out)}{with_wal}") if with_wal else None
@@ -148,6 +149,8 @@ def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None,
         if log:
             log.commit()
         committer = AsyncCommitter(log, group_steps=group_steps) if log else None
+        if committer:
+            committer.inline = append_inline
         _sync(device)
         t0 = time.perf_counter()
         t_wal = 0.0
@@ -178,7 +181,8 @@ def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None,
         if best is None or total < best[0]:
             out[key] = (total, t_wal, steps, fsyncs)
     (t_with, t_wal, steps, fsyncs), (t_without, _, _, _) = out["with"], out["without"]
-    return {"batch": B, "steps": steps, "static_decode": static, "group_steps": group_steps, "step_ms_without_wal": 1e3 * t_without / steps,
+    return {"batch": B, "steps": steps, "static_decode": static, "group_steps": group_steps, "append_inline": append_inline,
+            "step_ms_without_wal": 1e3 * t_without / steps,
             "step_ms_with_wal": 1e3 * t_with / steps, "wal_blocking_ms_per_step": 1e3 * t_wal / steps,
             "wal_overhead_share": (t_with - t_without) / t_without,
             "wal_blocking_time_over_step_time": t_wal / t_without, "wal_fsyncs": fsyncs}
@@ -270,6 +274,8 @@ def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = Fals
     static_ok = "engine_static_tokens_per_s" in out
     _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
                                               static=static_ok, fp=fp), on_progress)
+    _attempt(out, "wal_append_in_commit_thread", lambda: wal_overhead(
+        model, None, prompts, min(N, 128), device, scratch / "walt", static=static_ok, fp=fp, append_inline=False), on_progress)
     for g in (4, 8):
         _attempt(out, f"wal_group{g}", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / f"wal{g}",
                                                             static=static_ok, fp=fp, group_steps=g), on_progress)

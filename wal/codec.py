@@ -5,6 +5,8 @@ Frame on disk::
     u32 body_len | u32 crc32c(body) | body
     body = u64 lsn | u8 type | payload
     TOKENS      payload = u64 start | u64 policy_version | u32 n | u16 id_len | id | n*i32 | n*f64
+    STEP        payload = u64 policy_version | u32 n | n*u16 id_len | n*u64 start | n*i32 | n*f64 | ids
+                (one decode step: token i at position start[i] of trajectory i, ids distinct)
     FINALIZE    payload = u16 id_len | id
     ENV_INVOKE  payload = u64 seq | u16 id_len | u32 data_len | id | request
     ENV_RESULT  payload = u64 seq | u16 id_len | u32 data_len | id | response
@@ -32,18 +34,21 @@ from wal.types import (
     LOGPROB_BYTES,
     TOKEN_BYTES,
     RECORD_TYPES,
+    STEP,
     TOKENS,
     EnvInvokeRecord,
     EnvReleaseRecord,
     EnvResultRecord,
     FinalizeRecord,
     Record,
+    StepRecord,
     TokensRecord,
 )
 
 FRAME = struct.Struct("<II")
 BODY = struct.Struct("<QB")
 TOKENS_HEAD = struct.Struct("<QQIH")
+STEP_HEAD = struct.Struct("<QI")
 ID_HEAD = struct.Struct("<H")
 ENV_HEAD = struct.Struct("<QHI")
 MAX_BODY_BYTES = 64 << 20
@@ -90,20 +95,34 @@ def encode_tokens(lsn: int, traj_id: str, start: int, policy_version: int, token
     return _frame(body)
 
 
-_ONE_TOKEN_HEAD = struct.Struct("<QBQQIH")  # body head of a one-token TOKENS record: lsn, type, start, version, 1, id_len
+def encode_step_record(lsn: int, ids: list[bytes], starts: bytes, policy_version: int, tokens: bytes,
+                       logprobs: bytes) -> bytes:
+    """A STEP frame: one decode step of len(ids) trajectories (ids UTF-8 and distinct; starts packed u64,
+    tokens and log-probs packed, one each per id). A few joins and one checksum, whatever the batch."""
+    n = len(ids)
+    if len(starts) != n * 8 or len(tokens) != n * TOKEN_BYTES or len(logprobs) != n * LOGPROB_BYTES:
+        raise CodecError(f"step record: {n} ids but {len(starts)} B of starts, {len(tokens)} B of tokens, "
+                         f"{len(logprobs)} B of logprobs")
+    lens = array("H", map(len, ids))
+    if not _LITTLE:
+        lens.byteswap()
+    return _frame(b"".join((BODY.pack(lsn, STEP), STEP_HEAD.pack(policy_version, n), lens.tobytes(), starts, tokens,
+                            logprobs, *ids)))
 
 
-def encode_step(first_lsn: int, ids: list[bytes], starts: list[int], policy_version: int,
-                tokens: bytes, logprobs: bytes) -> list[bytes]:
-    """One-token TOKENS frames for a decode step (ids already UTF-8; tokens/logprobs packed, one per id),
-    lsns first_lsn, first_lsn+1, … Same bytes as encode_tokens would give, built in one tight loop."""
-    pack, frame, crc = _ONE_TOKEN_HEAD.pack, FRAME.pack, crc32c
-    out = []
-    for i, tid in enumerate(ids):
-        body = b"".join((pack(first_lsn + i, TOKENS, starts[i], policy_version, 1, len(tid)), tid,
-                         tokens[i * 4:i * 4 + 4], logprobs[i * 8:i * 8 + 8]))
-        out.append(frame(len(body), crc(body)) + body)
-    return out
+def pack_positions(positions) -> bytes:
+    """Positions (ints, numpy integers) -> packed little-endian u64; floats, negatives and bytes refused."""
+    if isinstance(positions, (bytes, bytearray, memoryview, str)):
+        raise CodecError("positions must be a sequence of ints")
+    try:
+        arr = array("q", positions)
+    except (TypeError, OverflowError) as exc:
+        raise CodecError(f"positions must be integers in 0..2^63-1: {exc}") from None
+    if arr and min(arr) < 0:
+        raise CodecError(f"positions must be >= 0, got {min(arr)}")
+    if not _LITTLE:
+        arr.byteswap()
+    return arr.tobytes()
 
 
 def encode_finalize(lsn: int, traj_id: str) -> bytes:
@@ -138,6 +157,12 @@ def encode(record: Record, lsn: int | None = None) -> bytes:
     lsn = record.lsn if lsn is None else lsn
     if isinstance(record, TokensRecord):
         return encode_tokens(lsn, record.traj_id, record.start, record.policy_version, record.tokens, record.logprobs)
+    if isinstance(record, StepRecord):
+        starts = array("q", record.starts)
+        if not _LITTLE:
+            starts.byteswap()
+        return encode_step_record(lsn, [_id_bytes(t, "traj_id") for t in record.traj_ids], starts.tobytes(),
+                                  record.policy_version, bytes(record.tokens), bytes(record.logprobs))
     if isinstance(record, FinalizeRecord):
         return encode_finalize(lsn, record.traj_id)
     if isinstance(record, EnvInvokeRecord):
@@ -165,6 +190,8 @@ def decode_body(body: bytes) -> Record:
             traj = body[off:off + id_len].decode("utf-8")
             view = memoryview(body)  # zero-copy slices; each record's views pin only its own body
             return TokensRecord(lsn, traj, start, version, view[off + id_len:tok_end], view[tok_end:])
+        if kind == STEP:
+            return _decode_step(body, lsn, off)
         if kind in (FINALIZE, ENV_RELEASE):
             (id_len,) = ID_HEAD.unpack_from(body, off)
             if off + ID_HEAD.size + id_len != len(body):
@@ -181,6 +208,33 @@ def decode_body(body: bytes) -> Record:
     except (struct.error, UnicodeDecodeError) as exc:
         raise CodecError(f"malformed body: {exc}") from None
     raise CodecError(f"unknown record type {kind}")
+
+
+def _decode_step(body: bytes, lsn: int, off: int) -> StepRecord:
+    version, n = STEP_HEAD.unpack_from(body, off)
+    off += STEP_HEAD.size
+    starts_at = off + 2 * n
+    tok_at = starts_at + 8 * n
+    lp_at = tok_at + TOKEN_BYTES * n
+    ids_at = lp_at + LOGPROB_BYTES * n
+    if ids_at > len(body):
+        raise CodecError("step record length mismatch")
+    lens, starts = array("H"), array("q")
+    lens.frombytes(body[off:starts_at])
+    starts.frombytes(body[starts_at:tok_at])
+    if not _LITTLE:
+        lens.byteswap()
+        starts.byteswap()
+    if ids_at + sum(lens) != len(body) or (n and min(starts) < 0):
+        raise CodecError("step record length mismatch")
+    ids, at = [], ids_at
+    for k in lens:
+        ids.append(body[at:at + k].decode("utf-8"))
+        at += k
+    if len(set(ids)) != n:
+        raise CodecError("step record names a trajectory twice")
+    view = memoryview(body)
+    return StepRecord(lsn, version, tuple(ids), tuple(starts), view[tok_at:lp_at], view[lp_at:ids_at])
 
 
 def decode(frame: bytes) -> Record:

@@ -1,6 +1,6 @@
 """In-memory per-trajectory token index (pure; the caller holds the log's mutex).
 
-Each live trajectory keeps its tokens and log-probs packed (chunks of bytes, no per-token objects), its
+Each live trajectory keeps its tokens and log-probs packed (two bytearrays, no per-token objects), its
 policy versions as runs, and the lsns of its records that are not yet durable: reads return the
 durable prefix only, so nothing is exposed before it is committed.
 
@@ -11,7 +11,6 @@ not written again, so a retried append never duplicates.
 """
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
 from collections import deque
 
 import numpy as np
@@ -20,61 +19,34 @@ from wal.errors import ConflictError, FinalizedError, GapError
 from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
 
 
-MERGE_CHUNKS = 64
-
-
 class Trajectory:
-    """Tokens and log-probs as lists of packed chunks (appending never copies what is already held;
-    a read joins them once and keeps the joined chunk)."""
+    """Tokens and log-probs packed in two growing bytearrays (amortised O(1) appends, no per-token
+    objects), policy versions as runs, the lsns of records not yet durable, and the id as UTF-8."""
 
-    __slots__ = ("tok_chunks", "lp_chunks", "chunk_starts", "length", "version_runs", "pending", "durable_len", "unmerged")
+    __slots__ = ("tok", "lp", "length", "version_runs", "pending", "durable_len", "idb")
 
-    def __init__(self) -> None:
-        self.tok_chunks: list[bytes] = []  # packed TOKEN_DTYPE
-        self.lp_chunks: list[bytes] = []  # packed LOGPROB_DTYPE
-        self.chunk_starts: list[int] = []  # first position of each chunk
+    def __init__(self, idb: bytes = b"") -> None:
+        self.tok = bytearray()  # packed TOKEN_DTYPE
+        self.lp = bytearray()  # packed LOGPROB_DTYPE
         self.length = 0
         self.version_runs: list[tuple[int, int]] = []  # (first position, policy version)
         self.pending: deque = deque()  # (lsn, length after that record), not yet durable
         self.durable_len = 0
-        self.unmerged = 0  # chunks added since the last merge
+        self.idb = idb  # the trajectory id, UTF-8 (what a record carries)
 
-    def add(self, tokens: bytes, logprobs: bytes, version: int) -> None:
+    def add(self, tokens, logprobs, version: int) -> None:
         if not self.version_runs or self.version_runs[-1][1] != version:
             self.version_runs.append((self.length, version))
-        self.chunk_starts.append(self.length)
-        self.tok_chunks.append(tokens)
-        self.lp_chunks.append(logprobs)
-        self.length += len(tokens) // TOKEN_BYTES
-        self.unmerged += 1
-        if self.unmerged == MERGE_CHUNKS:  # one-token appends must not leave one Python object per token
-            k = MERGE_CHUNKS
-            self.tok_chunks[-k:] = [b"".join(self.tok_chunks[-k:])]
-            self.lp_chunks[-k:] = [b"".join(self.lp_chunks[-k:])]
-            self.chunk_starts[-k:] = [self.chunk_starts[-k]]
-            self.unmerged = 0
-
-    def _join(self) -> None:
-        if len(self.tok_chunks) > 1:
-            self.tok_chunks = [b"".join(self.tok_chunks)]
-            self.lp_chunks = [b"".join(self.lp_chunks)]
-            self.chunk_starts = [0]
-            self.unmerged = 0
+        self.tok += tokens
+        self.lp += logprobs
+        self.length = len(self.tok) // TOKEN_BYTES
 
     def packed(self, lo: int, hi: int) -> tuple[bytes, bytes]:
         """Positions lo..hi-1 as (packed tokens, packed log-probs)."""
         if lo >= hi:
             return b"", b""
-        i = bisect_right(self.chunk_starts, lo) - 1
-        j = bisect_left(self.chunk_starts, hi)
-        if j - i > 1 and lo == 0 and hi == self.length:
-            self._join()
-            i, j = 0, 1
-        base = self.chunk_starts[i]
-        tok = self.tok_chunks[i] if j - i == 1 else b"".join(self.tok_chunks[i:j])
-        lp = self.lp_chunks[i] if j - i == 1 else b"".join(self.lp_chunks[i:j])
-        a, b = lo - base, hi - base
-        return bytes(tok[a * TOKEN_BYTES:b * TOKEN_BYTES]), bytes(lp[a * LOGPROB_BYTES:b * LOGPROB_BYTES])
+        with memoryview(self.tok) as t, memoryview(self.lp) as lp:  # released at once: the arrays may grow later
+            return bytes(t[lo * TOKEN_BYTES:hi * TOKEN_BYTES]), bytes(lp[lo * LOGPROB_BYTES:hi * LOGPROB_BYTES])
 
     def settle(self, durable_lsn: int) -> int:
         while self.pending and self.pending[0][0] <= durable_lsn:
@@ -121,11 +93,24 @@ class TokenIndex:
         """Record an append already checked by new_part (start == current length)."""
         traj = self.trajs.get(traj_id)
         if traj is None:
-            traj = self.trajs[traj_id] = Trajectory()
+            traj = self.trajs[traj_id] = Trajectory(traj_id.encode("utf-8"))
         if start != traj.length:
             raise AssertionError(f"apply at {start} but trajectory {traj_id!r} has length {traj.length}")
-        traj.add(bytes(tokens), bytes(logprobs), version)
+        traj.add(tokens, logprobs, version)
         traj.pending.append((lsn, traj.length))
+
+    @staticmethod
+    def apply_step(trajs: list[Trajectory], tokens: bytes, logprobs: bytes, version: int, lsn: int) -> None:
+        """Record a checked decode step (one STEP record, `lsn`): one token each for `trajs`, each at its
+        current length. The batched form of `apply`, without per-item calls."""
+        for i, t in enumerate(trajs):
+            runs = t.version_runs
+            if not runs or runs[-1][1] != version:
+                runs.append((t.length, version))
+            t.tok += tokens[i * TOKEN_BYTES:(i + 1) * TOKEN_BYTES]
+            t.lp += logprobs[i * LOGPROB_BYTES:(i + 1) * LOGPROB_BYTES]
+            t.length += 1
+            t.pending.append((lsn, t.length))
 
     def finalize(self, traj_id: str) -> bool:
         """Mark finalized and drop from the index; False if it already was."""

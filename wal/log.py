@@ -86,15 +86,6 @@ class Log:
         self._next_lsn = lsn + 1
         return lsn
 
-    def extend_locked(self, frames: list[bytes], first_lsn: int) -> None:
-        """Add frames already encoded with lsns first_lsn, first_lsn+1, … (caller holds `mutex`)."""
-        self.check_open()
-        if first_lsn != self._next_lsn:
-            raise AssertionError(f"frames start at lsn {first_lsn}, the log is at {self._next_lsn}")
-        self._batch.extend(frames)
-        self._batch_bytes += sum(map(len, frames))
-        self._next_lsn = first_lsn + len(frames)
-
     def check_open(self) -> None:
         if self._error is not None:
             raise LogClosedError(f"WAL {self.directory} failed a write or fsync ({self._error}); reopen it to recover")

@@ -20,9 +20,9 @@ from wal import codec, segments
 from wal.config import WALConfig
 from wal.envindex import EnvIndex
 from wal.errors import ConflictError, CorruptionError, GapError, WALError
-from wal.index import TokenIndex
+from wal.index import TokenIndex, Trajectory
 from wal.log import Log
-from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
 
 
 class Store:
@@ -52,6 +52,10 @@ class Store:
 
     # --- recovery ---
     def _replay(self, rec: Record) -> None:
+        if type(rec) is StepRecord:
+            for item in rec.items():
+                self._replay(item)
+            return
         if type(rec) is TokensRecord:
             traj = self.tokens.trajs.get(rec.traj_id)
             if traj is not None and rec.start == traj.length:  # the common case: the next chunk, in order
@@ -128,47 +132,63 @@ class Store:
         return start + n
 
     def append_step(self, traj_ids, positions, tokens, logprobs, policy_version: int) -> None:
-        """One decode step: token i goes to traj_ids[i] at positions[i]. All items are checked before any
-        is written (a gap, rewrite or finalized trajectory fails the whole step); exact repeats are skipped."""
+        """One decode step: token i goes to traj_ids[i] at positions[i], as one STEP record (one frame,
+        one checksum). All items are checked before anything is written (a gap, rewrite or finalized
+        trajectory fails the whole step); exact repeats are dropped from the record. The common case
+        (every trajectory known, every position its next) costs a few list operations per step."""
         n = len(traj_ids)
         tok = codec.pack_tokens(tokens)
         lp = codec.pack_logprobs(logprobs, len(tok) // 4)
         if len(tok) // 4 != n or len(positions) != n:
             raise codec.CodecError(f"append_step: {n} trajectory ids, {len(positions)} positions, {len(tok) // 4} tokens; "
                                    f"there must be one of each per trajectory")
-        starts = [_index(p, "position") for p in positions]
+        starts = codec.pack_positions(positions)
         policy_version = _index(policy_version, "policy_version")
-        if policy_version < 0 or (starts and min(starts) < 0):
-            raise codec.CodecError("positions and policy_version must be >= 0")
-        ids = [codec._id_bytes(t, "traj_id") for t in traj_ids]
+        if policy_version < 0:
+            raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
+        if not n:
+            return
         if len(set(traj_ids)) != n:  # a trajectory twice in one step: do it item by item, in order
             for i in range(n):
-                self.append_tokens(traj_ids[i], starts[i], np.frombuffer(tok[i * 4:i * 4 + 4], codec.TOKEN_DTYPE),
+                self.append_tokens(traj_ids[i], positions[i], np.frombuffer(tok[i * 4:i * 4 + 4], codec.TOKEN_DTYPE),
                                    np.frombuffer(lp[i * 8:i * 8 + 8], codec.LOGPROB_DTYPE), policy_version)
             return
         with self.mutex:
             self.log.check_open()
-            trajs = self.tokens.trajs
-            new = []
-            for i in range(n):
-                traj = trajs.get(traj_ids[i])
-                if traj is not None and starts[i] == traj.length:
-                    new.append(i)  # the common case, checked with one lookup
-                elif self.tokens.new_part(traj_ids[i], starts[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8],
-                                          policy_version) is not None:
-                    new.append(i)  # a new trajectory at position 0 (new_part raised on gap, rewrite, finalized)
-            if len(new) != n:
-                ids, starts = [ids[i] for i in new], [starts[i] for i in new]
-                tok = b"".join(tok[i * 4:i * 4 + 4] for i in new)
-                lp = b"".join(lp[i * 8:i * 8 + 8] for i in new)
-                traj_ids = [traj_ids[i] for i in new]
-            first = self.log.next_lsn
-            self.log.extend_locked(codec.encode_step(first, ids, starts, policy_version, tok, lp), first)
-            for i, tid in enumerate(traj_ids):
-                self.tokens.apply(tid, starts[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8], policy_version, first + i)
+            objs = list(map(self.tokens.trajs.get, traj_ids))
+            if None in objs or [t.length for t in objs] != np.frombuffer(starts, "<i8").tolist():
+                objs, traj_ids, starts, tok, lp = self._step_slow(objs, traj_ids, starts, tok, lp, policy_version)
+                if not objs:
+                    return  # all exact repeats
+            ids = [t.idb for t in objs]
+            lsn = self.log.append_locked(lambda lsn: codec.encode_step_record(lsn, ids, starts, policy_version, tok, lp))
+            for tid, t in zip(traj_ids, objs):
+                if t.length == 0 and tid not in self.tokens.trajs:
+                    self.tokens.trajs[tid] = t
+            self.tokens.apply_step(objs, tok, lp, policy_version, lsn)
             big = self.log.batch_bytes > self.config.max_batch_bytes
         if big:
             self.log.commit()
+
+    def _step_slow(self, objs, traj_ids, starts, tok, lp, version):
+        """Check a step item by item (new trajectories, repeats, gaps, rewrites, finalized ones; raises on
+        the first bad one, before anything changed). Returns the items to write: (trajectories, ids,
+        starts, tokens, log-probs), new trajectories as fresh, not yet indexed, objects."""
+        pos = np.frombuffer(starts, "<i8").tolist()
+        keep = []
+        for i, t in enumerate(objs):
+            if t is not None and pos[i] == t.length:
+                keep.append(i)
+                continue
+            if t is None:
+                codec._id_bytes(traj_ids[i], "traj_id")
+            if self.tokens.new_part(traj_ids[i], pos[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8], version) is not None:
+                keep.append(i)  # a new trajectory at position 0 (new_part raised on gap, rewrite, finalized)
+        out = [objs[i] if objs[i] is not None else Trajectory(traj_ids[i].encode("utf-8")) for i in keep]
+        if len(keep) == len(objs):
+            return out, traj_ids, starts, tok, lp
+        return (out, [traj_ids[i] for i in keep], b"".join(starts[i * 8:i * 8 + 8] for i in keep),
+                b"".join(tok[i * 4:i * 4 + 4] for i in keep), b"".join(lp[i * 8:i * 8 + 8] for i in keep))
 
     def finalize(self, traj_id: str) -> int:
         codec._id_bytes(traj_id, "traj_id")
@@ -213,6 +233,8 @@ class Store:
     def _live(self, rec: Record) -> bool:
         if isinstance(rec, TokensRecord):
             return rec.traj_id not in self.tokens.finalized
+        if isinstance(rec, StepRecord):  # copied whole while any of its trajectories lives (replay skips the rest)
+            return not self.tokens.finalized.issuperset(rec.traj_ids)
         if isinstance(rec, (EnvInvokeRecord, EnvResultRecord)):
             return rec.sandbox_id not in self.env.released
         return False  # finalize and release records only matter while older records of their id exist
@@ -260,7 +282,7 @@ class Store:
 
     def _compact(self, base: int, recs: list[Record]) -> None:
         with self.mutex:  # liveness re-checked under the mutex: a finalize cannot slip between check and copy
-            live = [r for r in recs if self._live(r)]
+            live = [_live_items(r, self.tokens.finalized) if type(r) is StepRecord else r for r in recs if self._live(r)]
             for r in live:
                 self.log.append_locked(lambda lsn, r=r: codec.encode(r, lsn))
             self.copied_records += len(live)
@@ -319,10 +341,23 @@ class Store:
         self.log.close()
 
 
+def _live_items(rec: StepRecord, finalized: set[str]) -> StepRecord:
+    """The step without the items of finalized trajectories: a copy must not outlive their finalize record."""
+    keep = [i for i, t in enumerate(rec.traj_ids) if t not in finalized]
+    if len(keep) == len(rec.traj_ids):
+        return rec
+    tok, lp = bytes(rec.tokens), bytes(rec.logprobs)
+    return StepRecord(rec.lsn, rec.policy_version, tuple(rec.traj_ids[i] for i in keep), tuple(rec.starts[i] for i in keep),
+                      b"".join(tok[i * 4:i * 4 + 4] for i in keep), b"".join(lp[i * 8:i * 8 + 8] for i in keep))
+
+
 def _frame_bytes(rec: Record) -> int:
     """Encoded size of a record, without encoding it."""
     if isinstance(rec, TokensRecord):
         body = 9 + codec.TOKENS_HEAD.size + len(rec.traj_id.encode()) + len(rec.tokens) + len(rec.logprobs)
+    elif isinstance(rec, StepRecord):
+        body = (9 + codec.STEP_HEAD.size + 10 * len(rec.traj_ids) + sum(len(t.encode()) for t in rec.traj_ids)
+                + len(rec.tokens) + len(rec.logprobs))
     elif isinstance(rec, FinalizeRecord):
         body = 9 + codec.ID_HEAD.size + len(rec.traj_id.encode())
     elif isinstance(rec, EnvReleaseRecord):

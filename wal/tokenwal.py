@@ -11,6 +11,8 @@ from wal.store import Store
 
 
 class TokenWAL(TokenLog):
+    appends_in_memory = True  # append / append_step only check and encode in memory; commit() does the I/O
+
     def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
         self._store = Store(path, config, repair=repair)
         self.path = self._store.log.directory
@@ -25,8 +27,8 @@ class TokenWAL(TokenLog):
 
     def append_step(self, traj_ids: Sequence[str], positions: Sequence[int], tokens: Sequence[int],
                     logprobs: Sequence[float], policy_version: int) -> None:
-        """One batched decode step, checked as a whole before anything is written; several times cheaper
-        than one append per trajectory (one lock, one packing, one tight encode loop)."""
+        """One batched decode step, checked as a whole before anything is written, logged as one STEP record
+        (one frame, one checksum); many times cheaper than one append per trajectory."""
         self._store.append_step(traj_ids, positions, tokens, logprobs, policy_version)
 
     def commit(self) -> int:

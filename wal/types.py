@@ -18,7 +18,8 @@ FINALIZE = 2
 ENV_INVOKE = 3
 ENV_RESULT = 4
 ENV_RELEASE = 5
-RECORD_TYPES = (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT, ENV_RELEASE)
+STEP = 6
+RECORD_TYPES = (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT, ENV_RELEASE, STEP)
 
 
 class TokensRecord(NamedTuple):
@@ -34,6 +35,29 @@ class TokensRecord(NamedTuple):
     @property
     def n_tokens(self) -> int:
         return len(self.tokens) // TOKEN_BYTES
+
+
+class StepRecord(NamedTuple):
+    """One batched decode step: token i of `tokens` at position starts[i] of traj_ids[i] (distinct ids),
+    all sampled under one policy version; one frame, one checksum. Equivalent to one one-token
+    TokensRecord per trajectory under the same lsn (`items()`)."""
+
+    lsn: int
+    policy_version: int
+    traj_ids: tuple[str, ...]
+    starts: tuple[int, ...]
+    tokens: bytes  # packed TOKEN_DTYPE, one per trajectory (a read-only memoryview when decoded)
+    logprobs: bytes  # packed LOGPROB_DTYPE, likewise
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.traj_ids)
+
+    def items(self) -> list[TokensRecord]:
+        t, lp, v, lsn = self.tokens, self.logprobs, self.policy_version, self.lsn
+        return [TokensRecord(lsn, tid, start, v, t[i * TOKEN_BYTES:(i + 1) * TOKEN_BYTES],
+                             lp[i * LOGPROB_BYTES:(i + 1) * LOGPROB_BYTES])
+                for i, (tid, start) in enumerate(zip(self.traj_ids, self.starts))]
 
 
 class FinalizeRecord(NamedTuple):
@@ -68,7 +92,7 @@ class EnvReleaseRecord(NamedTuple):
     sandbox_id: str
 
 
-Record = TokensRecord | FinalizeRecord | EnvInvokeRecord | EnvResultRecord | EnvReleaseRecord
+Record = TokensRecord | StepRecord | FinalizeRecord | EnvInvokeRecord | EnvResultRecord | EnvReleaseRecord
 
 
 class EnvEntry(NamedTuple):

@@ -5,7 +5,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from wal import codec, segments
-from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
 
 
 def verify(directory: str | Path) -> dict:
@@ -15,13 +15,18 @@ def verify(directory: str | Path) -> dict:
         raise FileNotFoundError(2, "WAL directory not found", str(directory))
     lengths: dict[str, int] = {}
     finalized: set[str] = set()
-    counts = {"tokens_records": 0, "finalize_records": 0, "env_records": 0}
+    counts = {"tokens_records": 0, "step_records": 0, "finalize_records": 0, "env_records": 0}
     problems: list[str] = []
     tokens_total = 0
 
     def on_record(rec: Record) -> None:
         nonlocal tokens_total
-        if isinstance(rec, TokensRecord):
+        if isinstance(rec, StepRecord):  # a decode step: one token per trajectory, checked like token records
+            counts["step_records"] += 1
+            counts["tokens_records"] -= len(rec.traj_ids)
+            for item in rec.items():
+                on_record(item)
+        elif isinstance(rec, TokensRecord):
             counts["tokens_records"] += 1
             tokens_total += rec.n_tokens
             end = lengths.get(rec.traj_id, 0)
@@ -51,7 +56,13 @@ def dump(directory: str | Path, traj_id: str) -> list[dict]:
     rows: list[dict] = []
 
     def on_record(rec: Record) -> None:
-        if isinstance(rec, TokensRecord) and rec.traj_id == traj_id:
+        if isinstance(rec, StepRecord):
+            if traj_id in rec.traj_ids:
+                item = rec.items()[rec.traj_ids.index(traj_id)]
+                rows.append({"lsn": rec.lsn, "type": "tokens", "start": item.start, "policy_version": rec.policy_version,
+                             "tokens": codec.unpack_tokens(item.tokens), "logprobs": codec.unpack_logprobs(item.logprobs),
+                             "step_trajectories": len(rec.traj_ids)})  # its part of a STEP record
+        elif isinstance(rec, TokensRecord) and rec.traj_id == traj_id:
             rows.append({"lsn": rec.lsn, "type": "tokens", "start": rec.start, "policy_version": rec.policy_version,
                          "tokens": codec.unpack_tokens(rec.tokens), "logprobs": codec.unpack_logprobs(rec.logprobs)})
         elif isinstance(rec, FinalizeRecord) and rec.traj_id == traj_id:

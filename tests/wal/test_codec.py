@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wal import codec
-from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, StepRecord, TokensRecord
 
 ids = st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) <= codec.MAX_ID_BYTES)
 lsns = st.integers(0, 2**63 - 1)
@@ -22,8 +22,20 @@ def tokens_records(draw):
                         codec.pack_tokens(toks), codec.pack_logprobs(lps, n))
 
 
+@st.composite
+def step_records(draw):
+    traj_ids = draw(st.lists(ids, max_size=40, unique=True))
+    n = len(traj_ids)
+    toks = draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n))
+    lps = draw(st.lists(st.floats(allow_nan=False), min_size=n, max_size=n))
+    starts = draw(st.lists(st.integers(0, 2**63 - 1), min_size=n, max_size=n))
+    return StepRecord(draw(lsns), draw(st.integers(0, 2**63 - 1)), tuple(traj_ids), tuple(starts),
+                      codec.pack_tokens(toks), codec.pack_logprobs(lps, n))
+
+
 records = st.one_of(
     tokens_records(),
+    step_records(),
     st.builds(FinalizeRecord, lsns, ids),
     st.builds(EnvInvokeRecord, lsns, ids, st.integers(0, 2**63 - 1), st.binary(max_size=300)),
     st.builds(EnvResultRecord, lsns, ids, st.integers(0, 2**63 - 1), st.binary(max_size=300)),
@@ -128,9 +140,18 @@ def test_find_valid_after_tells_torn_from_corrupt():
     assert codec.find_valid_after(bytes(bad[:off + len(frames[1])]), off, 0) is None
 
 
-def test_encode_step_gives_the_same_bytes_as_encode_tokens():
+def test_step_record_is_one_frame_equal_to_one_tokens_record_per_trajectory():
     ids = ["a", "bé", "c" * 50]
     toks, lps = codec.pack_tokens([1, 2, 3]), codec.pack_logprobs([-0.1, -0.2, -0.3], 3)
-    frames = codec.encode_step(40, [t.encode() for t in ids], [0, 7, 9], 5, toks, lps)
-    assert frames == [codec.encode_tokens(40 + i, t, [0, 7, 9][i], 5, toks[i * 4:i * 4 + 4], lps[i * 8:i * 8 + 8])
-                      for i, t in enumerate(ids)]
+    frame = codec.encode_step_record(40, [t.encode() for t in ids], codec.pack_positions([0, 7, 9]), 5, toks, lps)
+    rec = codec.decode(frame)
+    assert isinstance(rec, StepRecord) and rec.n_tokens == 3
+    assert rec.items() == [TokensRecord(40, t, [0, 7, 9][i], 5, toks[i * 4:i * 4 + 4], lps[i * 8:i * 8 + 8])
+                           for i, t in enumerate(ids)]
+    twice = codec.encode_step_record(41, [b"a", b"a"], codec.pack_positions([0, 1]), 5, toks[:8], lps[:16])
+    with pytest.raises(codec.CodecError, match="twice"):  # a step names each trajectory once
+        codec.decode(twice)
+    with pytest.raises(codec.CodecError, match="positions"):
+        codec.pack_positions([1, -2])
+    with pytest.raises(codec.CodecError, match="positions"):
+        codec.pack_positions([1.5])

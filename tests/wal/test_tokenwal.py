@@ -157,6 +157,7 @@ def test_cli_verify_and_dump(tmp_path):
     w = wal.open(tmp_path)
     w.append("a", 0, [1, 2], [-1.0, -2.0], 0)
     w.append("b", 0, [3], [-3.0], 1)
+    w.append_step(["c", "a"], [0, 2], [4, 5], [-4.0, -5.0], 2)  # one STEP record
     w.commit()
     w.finalize("b")
     w.close()
@@ -167,11 +168,14 @@ def test_cli_verify_and_dump(tmp_path):
     r = _cli("verify", str(tmp_path), "--json")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
-    assert report["records"] == 3 and report["trajectories"] == 1 and report["finalized"] == 1
-    assert report["tokens"] == 3 and report["torn_bytes_cut"] == 4 and report["corruption"] == [] and report["segments"] == 1
+    assert report["records"] == 4 and report["trajectories"] == 2 and report["finalized"] == 1
+    assert report["step_records"] == 1 and report["tokens_records"] == 2 and report["live_tokens"] == 4
+    assert report["tokens"] == 5 and report["torn_bytes_cut"] == 4 and report["corruption"] == [] and report["segments"] == 1
     r = _cli("dump", str(tmp_path), "--traj", "a")
     rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert rows == [{"lsn": 0, "type": "tokens", "start": 0, "policy_version": 0, "tokens": [1, 2], "logprobs": [-1.0, -2.0]}]
+    assert rows == [{"lsn": 0, "type": "tokens", "start": 0, "policy_version": 0, "tokens": [1, 2], "logprobs": [-1.0, -2.0]},
+                    {"lsn": 2, "type": "tokens", "start": 2, "policy_version": 2, "tokens": [5], "logprobs": [-5.0],
+                     "step_trajectories": 2}]
     # corrupt the first record: verify reports it and fails
     seg = segments.list_segments(tmp_path)[-1][1]
     data = bytearray(seg.read_bytes())
@@ -275,19 +279,42 @@ def test_append_step_equals_one_append_per_trajectory(tmp_path):
     a.close()
 
 
-def test_index_merges_small_chunks_and_reads_any_range(tmp_path):
-    from wal.index import MERGE_CHUNKS
-
+def test_index_packs_one_token_appends_and_reads_any_range(tmp_path):
     w = wal.open(tmp_path)
-    n = MERGE_CHUNKS * 3 + 5
+    n = 64 * 3 + 5
     for p in range(n):
         w.append_step(["t"], [p], [p], [-p / 100], p // 50)
     w.commit()
     traj = w._store.tokens.trajs["t"]
-    assert len(traj.tok_chunks) <= 3 + MERGE_CHUNKS, "one-token appends must be merged into larger chunks"
+    assert type(traj.tok) is bytearray and len(traj.tok) == 4 * n and len(traj.lp) == 8 * n  # no object per token
+    assert len(traj.version_runs) == n // 50 + 1
     for lo, hi in [(0, n), (3, 70), (63, 65), (n - 1, n), (10, 10)]:
         tok, lp, versions, length = w.read_packed("t", lo, hi)
         assert np.frombuffer(tok, "<i4").tolist() == list(range(lo, hi)) and length == n
         assert np.frombuffer(lp, "<f8").tolist() == [-p / 100 for p in range(lo, hi)]
         assert versions == [p // 50 for p in range(lo, hi)]
     w.close()
+
+
+def test_compaction_copies_only_the_live_items_of_a_step(tmp_path):
+    """A STEP record holds several trajectories; once one of them is finalized, a compacted copy must
+    leave its item out (its finalize record may be reclaimed next, and the copy must not revive it)."""
+    w = wal.open(tmp_path, wal.WALConfig(segment_bytes=4096, compact_live_fraction=1.0))
+    for p in range(60):  # steps of three trajectories, two of which get finalized
+        w.append_step(["dead1", "live", "dead2"], [p, p, p], [p, p + 1, p + 2], [-0.5, -0.25, -0.125], p // 20)
+        w.commit()
+    w.finalize("dead1")
+    w.finalize("dead2")
+    for p in range(60, 400):  # the live one goes on alone: segments roll, the old ones are compacted
+        w.append_step(["live"], [p], [p + 1], [-0.25], p // 20)
+        w.commit()
+    w.reclaim()
+    st = w.stats()
+    assert st["reclaimed_segments"] > 0 and st["copied_records"] > 0
+    w.close()
+    for _ in range(2):  # reopen twice: the copies replay cleanly, and again after another compaction
+        w = wal.open(tmp_path, wal.WALConfig(segment_bytes=4096, compact_live_fraction=1.0))
+        assert w.trajectories() == ["live"]
+        assert w.tokens("live") == [p + 1 for p in range(400)] and w.policy_versions("live") == [p // 20 for p in range(400)]
+        w.reclaim()
+        w.close()
