@@ -28,6 +28,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -167,7 +168,10 @@ def _time_steps(fn, steps: int, sync) -> list[float]:
     return times
 
 
-def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | None = None) -> dict:
+def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | None = None,
+        micro_batch_tokens: int | None = None) -> dict:
+    if device_kind == "cuda":  # before the first CUDA allocation: the naive step's 16k packs fit
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # less fragmentation
     import torch
 
     from learner.grpo_config import GRPOConfig
@@ -190,9 +194,12 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
     packs = [4096, 8192, 16384] if cuda else [256, 512, 1024]
     num_packs = 2
     len_range = (256, 4096) if cuda else (16, 256)
+    # Our micro-batch budget: on GPU two of the largest packs (a 0.5B model's 32k-token activations take
+    # ~45 GiB), so packs that fit together run as one forward; the naive step pads each pack alone.
+    budget = micro_batch_tokens or (2 if cuda else 1) * max(packs)
     # No entropy pass: the naive step computes none either.
     cfg = GRPOConfig.model_validate({"learner": {"device": device_kind, "bf16": cuda, "logprob_chunk_rows": 4096,
-                                                 "entropy_metric": False, "micro_batch_tokens": max(packs)},
+                                                 "entropy_metric": False, "micro_batch_tokens": budget},
                                      "optim": {"lr": 1e-6, "grad_clip": 1.0}})
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
@@ -217,7 +224,8 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
         learner = make_learner()
         res.setdefault("ours", dict(attention=learner.attention or f"hf:{hf_attn}", compiled_layers=compile_layers,
                                     merge_micro_batches=learner.merge_micro_batches,
-                                    logprob_chunk_rows=cfg.learner.logprob_chunk_rows))
+                                    logprob_chunk_rows=cfg.learner.logprob_chunk_rows, micro_batch_tokens=budget,
+                                    cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if cuda else None))
         naive_model = copy.deepcopy(naive_base)
         opt, _ = build_optimizer(naive_model, cfg.optim)
 
@@ -328,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                         "naive step always uses sdpa with padding")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer of the packed step (default: on GPU)")
+    p.add_argument("--micro-batch-tokens", type=int, help="token budget of one micro-batch of the packed step "
+                   "(default: twice the largest pack on GPU, the largest pack on CPU)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)
     import torch
@@ -337,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
         from deploy.errors import UserError
 
         raise UserError("bench grpo --device cuda: no CUDA device is visible")
-    res = run(kind, max(1, a.steps), a.attn, a.compile)
+    if a.micro_batch_tokens is not None and a.micro_batch_tokens < 1:
+        from deploy.errors import UserError
+
+        raise UserError(f"bench grpo --micro-batch-tokens must be >= 1, got {a.micro_batch_tokens}")
+    res = run(kind, max(1, a.steps), a.attn, a.compile, a.micro_batch_tokens)
     text = json.dumps(res, indent=2, sort_keys=True, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
     if a.out:
         from deploy.atomic import write_atomic
