@@ -138,10 +138,10 @@ def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None,
     params = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True)
     B, P = len(prompts), len(prompts[0])
     out = {}
-    for with_wal in (False, True) * 3:  # interleaved, best of three each
+    for run, with_wal in enumerate((False, True) * 3):  # interleaved, best of three each
         eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, device=device, static_decode=static,
                      fingerprint=fp)
-        log = wal.open(Path(wal_dir) / f"w{len(out)}{with_wal}") if with_wal else None
+        log = wal.open(Path(wal_dir) / f"w{run}") if with_wal else None  # a fresh log each run
         for i, p in enumerate(prompts):
             eng.add(f"t{i}", p, [False] * P, params)
             if log:
