@@ -21,10 +21,15 @@ class LoopConfig(Config):
     group_size: int = Field(8, ge=2, le=4096, description="samples per prompt (the GRPO group)")
     async_rollouts: bool = Field(False, description="one-step-off: rollouts of iteration k+1 run while the learner "
                                                     "trains on iteration k (their tokens are one version stale)")
+    minibatches: int = Field(1, ge=1, le=4096, description="optimizer steps per iteration: the batch is planned into "
+                                                          "this many group-aware minibatches (when tokens_per_rank = 0)")
     tokens_per_rank: int = Field(0, ge=0, le=1 << 30, description="plan budget per rank and minibatch (one optimizer "
-                                                                  "step each); 0 = the whole iteration in one step")
+                                                                  "step each); 0 = from loop.minibatches")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals (0 = only first and last)")
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints (the last is always saved)")
+    time_budget_s: float = Field(0.0, ge=0.0, le=1e7, description="wall-clock budget of one `postrain grpo` process, "
+                                 "start-up included: no iteration starts that the last one's duration says would "
+                                 "overrun it; the run then ends as at --iterations (eval, checkpoint, final/); 0 = none")
     chaos_faults: int = Field(2, ge=0, le=1000, description="faults injected into each iteration's rollouts under --chaos")
     prompt_pool: int = Field(0, ge=0, le=100_000_000, description="distinct train prompts cycled through in order "
                                                                   "(a fixed prompt set); 0 = fresh prompts every iteration")

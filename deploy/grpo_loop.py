@@ -128,6 +128,7 @@ class GRPOLoop:
         if stop_after is not None and not 1 <= stop_after <= iterations:
             raise UserError(f"grpo: --stop-after {stop_after} must lie in 1..--iterations ({iterations})")
         self.chaos_seed, self.quiet, self.stop_after = chaos_seed, quiet, stop_after
+        self.t_start = time.monotonic()  # loop.time_budget_s counts from here
         self.out = Path(out)
         self._prepare_out(resume)
         self.run = RunDir(self.out)
@@ -171,7 +172,8 @@ class GRPOLoop:
         pool_dir = self.out / "rollout" / f"start-{len(starts):03d}"
         pool_init = str(Path(ckpt) / "model") if ckpt else str(self.init)
         self.pool = RolloutPool(pool_init, pool_dir, cfg.pool, cfg.engine, sink=self.sink,
-                                max_tool_calls=cfg.sampling.max_tool_calls, use_tools=self.dom.uses_tools)
+                                max_tool_calls=cfg.sampling.max_tool_calls, use_tools=self.dom.uses_tools,
+                                spares=cfg.loop.chaos_faults if self.chaos_seed is not None else 0)
         self.group = None
         try:
             self.group = LearnerGroup(cfg.learner_config(), str(self.init), num_cpus_per_rank=0)
@@ -211,6 +213,7 @@ class GRPOLoop:
                 if executor is not None and k + 1 < self.iterations and not self._complete(k + 1):
                     self._drop_batch(k + 1)
                     ahead = executor.submit(self._rollout, k + 1)
+                t_train = time.monotonic()
                 train = self._train(k)
                 t1 = time.monotonic()
                 weights, version = (self.group.publish() if train.get("optimizer_steps") else
@@ -219,16 +222,18 @@ class GRPOLoop:
                 self.pool.update_weights(weights, version)
                 self.dp.publish_policy_version(batch_name(k), version)
                 self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **train,
-                             train_s=round(t1 - t0 - roll.get("rollout_s", 0.0), 3),
-                             iteration_s=round(time.monotonic() - t0, 3))
+                             train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
                 done = k + 1
+                if lp.time_budget_s and done < self.iterations and self._over_budget(time.monotonic() - t0):
+                    self.iterations = done  # out of wall-clock budget: end here as at --iterations
+                    self.run.log(stage="budget", iteration=done, time_budget_s=lp.time_budget_s)
                 if (lp.eval_every and done % lp.eval_every == 0) or done == self.iterations:
                     last_eval = self._evaluate(done, weights)
                 stop = done == self.stop_after
                 if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
                     self.group.save_checkpoint(self.run.checkpoints, done)
                 roll = nxt
-                if stop:
+                if stop or done == self.iterations:
                     break
         finally:
             if executor is not None:
@@ -245,6 +250,10 @@ class GRPOLoop:
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
                 "last_eval": last_eval}
+
+    def _over_budget(self, iteration_s: float) -> bool:
+        """Would one more iteration (as long as the last, plus an eval) overrun loop.time_budget_s?"""
+        return time.monotonic() - self.t_start + 2 * iteration_s > self.cfg.loop.time_budget_s
 
     # -- stages ------------------------------------------------------------------------------------------
     def _rollout(self, k: int) -> dict:
@@ -301,7 +310,8 @@ class GRPOLoop:
         sub = subset(sel, keep)
         ranks = cfg.learner.ranks
         longest = int(sub.length.max())
-        budget = cfg.loop.tokens_per_rank or math.ceil(sub.num_tokens / ranks) + longest
+        # loop.minibatches sets each step's share; packing keeps whole groups, so a step may hold a little more or less.
+        budget = cfg.loop.tokens_per_rank or max(longest, math.ceil(sub.num_tokens / (ranks * cfg.loop.minibatches)))
         if budget < longest:
             raise UserError(f"grpo: loop.tokens_per_rank {budget} is below the longest trajectory ({longest} tokens); "
                             "the learner trains whole trajectories")

@@ -56,12 +56,15 @@ def init_ray(num_cpus: int = 2) -> None:
     import ray
 
     if not ray.is_initialized():
+        # Ray starts its workers at nice 15: on a shared machine the rollout actors then wait behind every
+        # other process while the driver (nice 0) waits for them. Same priority as the driver, unless set.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
 
 
 class RolloutPool:
     def __init__(self, checkpoint: str | Path, run_dir: str | Path, pool: PoolConfig, engine: EngineConfig,
-                 *, sink=None, max_tool_calls: int = 4, use_tools: bool = True, progress=None):
+                 *, sink=None, max_tool_calls: int = 4, use_tools: bool = True, progress=None, spares: int = 0):
         import ray
 
         init_ray()
@@ -86,21 +89,37 @@ class RolloutPool:
                                 max_commit_lag=pool.max_commit_lag, commit_group_steps=pool.commit_group_steps))
             for k in range(pool.workers)
         ]
-        for s in self.slots:
-            self._start(s)
+        # Warm spares: actor processes with their imports done, waiting to take over a dead worker's slot
+        # (a cold actor start is most of a replacement's cost).
+        self.spares, self._spares = spares, deque()
+        self._start(*self.slots)  # all at once: each actor imports torch and loads the policy in parallel
         self.replacements = 0
         self.faults: Counter = Counter()
         self._dead_counters: Counter = Counter()
         self._live_counters: dict[int, dict] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
-    def _start(self, slot: _Slot) -> None:
+    def _start(self, *slots: _Slot) -> None:
         from rollout.worker import RolloutActor
 
-        slot.actor = RolloutActor.options(name=None).remote(slot.spec, self.weights_ref, self.version)
-        slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
-        slot.incarnation += 1
-        slot.ref = None
+        refs = []
+        for slot in slots:
+            if self._spares:
+                slot.actor = self._spares.popleft()
+                refs.append(slot.actor.start.remote(slot.spec, self.weights_ref, self.version))
+            else:
+                slot.actor = RolloutActor.options(name=None).remote(slot.spec, self.weights_ref, self.version)
+                refs.append(slot.actor.pid.remote())
+        for slot, ref in zip(slots, refs):
+            try:
+                slot.pid = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
+            except self.ray.exceptions.RayActorError:  # a spare that died while waiting: start a fresh actor
+                slot.actor = RolloutActor.options(name=None).remote(slot.spec, self.weights_ref, self.version)
+                slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
+            slot.incarnation += 1
+            slot.ref = None
+        while len(self._spares) < self.spares:  # warming in the background; nobody waits for it
+            self._spares.append(RolloutActor.options(name=None).remote())
 
     def _replace(self, slot: _Slot, why: str) -> None:
         if self.replacements >= self.cfg.max_replacements:
@@ -126,11 +145,12 @@ class RolloutPool:
             self.ray.get(s.actor.update_weights.remote(self.weights_ref, version), timeout=self.cfg.call_timeout_s)
 
     def close(self) -> None:
-        for s in self.slots:
+        for actor in [s.actor for s in self.slots] + list(self._spares):
             try:
-                self.ray.kill(s.actor, no_restart=True)
+                self.ray.kill(actor, no_restart=True)
             except Exception:
                 pass
+        self._spares.clear()
         if self.sandbox is not None:
             self.sandbox.stop()
             self.sandbox = None

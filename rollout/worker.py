@@ -266,8 +266,17 @@ try:
     class RolloutActor:
         """Ray shell over RolloutWorker (the pool replaces it on death; Ray never restarts it)."""
 
-        def __init__(self, spec: WorkerSpec, weights=None, policy_version: int = 0):
+        def __init__(self, spec: WorkerSpec | None = None, weights=None, policy_version: int = 0):
+            self.w = None
+            if spec is None:  # a warm spare: process up and imports done; `start` gives it a slot later
+                import learner.policy  # noqa: F401  (transformers, the slow import)
+            else:
+                self.w = RolloutWorker(spec, weights, policy_version)
+
+        def start(self, spec: WorkerSpec, weights=None, policy_version: int = 0) -> int:
+            """A spare takes over a slot: the worker is built as a fresh actor's would be; returns the pid."""
             self.w = RolloutWorker(spec, weights, policy_version)
+            return os.getpid()
 
         def pid(self) -> int:
             return os.getpid()
