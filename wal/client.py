@@ -59,7 +59,8 @@ class RemoteWAL(TokenLog):
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1_000)])
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1_000),
+            ("grpc.enable_retries", 0)])  # resending after a reconnect is ours; C-core's retry buffering only costs CPU
         ser = lambda m: m.SerializeToString()  # noqa: E731
         self._append_rpc = self._channel.stream_stream(f"/{SERVICE}/Append", request_serializer=ser,
                                                        response_deserializer=pb.AppendAck.FromString)

@@ -399,6 +399,21 @@ def pack_logprobs(logprobs, n: int) -> bytes:
     return arr.tobytes()
 
 
+def check_packed(tokens: bytes, logprobs: bytes) -> int:
+    """Packed tokens (int32 LE) and log-probs (float64 LE) as they travel: one log-prob per token, ids
+    in 0..2^31-1, no NaN. Returns the token count (the check `pack_tokens` / `pack_logprobs` make)."""
+    n = len(tokens) // TOKEN_BYTES
+    if len(tokens) != n * TOKEN_BYTES or len(logprobs) != n * LOGPROB_BYTES:
+        raise CodecError(f"{len(tokens)} bytes of tokens and {len(logprobs)} bytes of logprobs: want 4 bytes "
+                         "(int32 LE) per token and 8 (float64 LE) per log-prob")
+    if n:
+        if int(np.frombuffer(tokens, TOKEN_DTYPE).min()) < 0:
+            raise CodecError(f"token ids must lie in 0..{_I32_MAX}, got a negative one")
+        if np.isnan(np.frombuffer(logprobs, LOGPROB_DTYPE)).any():
+            raise CodecError("logprobs contain NaN")
+    return n
+
+
 def unpack_tokens(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype=TOKEN_DTYPE).tolist()
 

@@ -21,7 +21,6 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import numpy as np
 from google.protobuf.message import DecodeError
 
 from wal import codec
@@ -72,8 +71,7 @@ class TokenLogService:
                     if len(ch.logprobs) != len(tok) * 2:
                         raise codec.CodecError(f"chunk {i}: {len(ch.logprobs)} bytes of logprobs for {len(tok) // 4} tokens "
                                                f"(want 8 bytes, float64 LE, per token)")
-                    self.wal.append(ch.traj_id, ch.start, np.frombuffer(tok, codec.TOKEN_DTYPE),
-                                    np.frombuffer(ch.logprobs, codec.LOGPROB_DTYPE), ch.policy_version)
+                    self.wal.append_packed(ch.traj_id, ch.start, tok, ch.logprobs, ch.policy_version)  # no conversions
                 except (WALError, codec.CodecError) as exc:
                     try:
                         self.wal.commit()  # what came before the bad chunk is durable, so the client knows where it stands

@@ -108,8 +108,15 @@ class Store:
     # --- writes ---
     def append_tokens(self, traj_id: str, start: int, tokens, logprobs, policy_version: int) -> int:
         tok = codec.pack_tokens(tokens)
+        return self._append(traj_id, start, tok, codec.pack_logprobs(logprobs, len(tok) // 4), policy_version)
+
+    def append_packed(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, policy_version: int) -> int:
+        """append_tokens for tokens and log-probs already packed as they travel (the gRPC service)."""
+        codec.check_packed(tokens, logprobs)
+        return self._append(traj_id, start, bytes(tokens), bytes(logprobs), policy_version)
+
+    def _append(self, traj_id: str, start: int, tok: bytes, lp: bytes, policy_version: int) -> int:
         n = len(tok) // 4
-        lp = codec.pack_logprobs(logprobs, n)
         start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
         if policy_version < 0:
             raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")

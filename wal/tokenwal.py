@@ -25,6 +25,10 @@ class TokenWAL(TokenLog):
     def append(self, traj_id: str, start: int, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int) -> int:
         return self._store.append_tokens(traj_id, start, tokens, logprobs, policy_version)
 
+    def append_packed(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, policy_version: int) -> int:
+        """`append` with tokens and log-probs already packed (int32 LE, float64 LE): no conversion."""
+        return self._store.append_packed(traj_id, start, tokens, logprobs, policy_version)
+
     def append_step(self, traj_ids: Sequence[str], positions: Sequence[int], tokens: Sequence[int],
                     logprobs: Sequence[float], policy_version: int) -> None:
         """One batched decode step, checked as a whole before anything is written, logged as one STEP record

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import wal
-from wal import segments
+from wal import codec, segments
 
 
 def test_append_rules(tmp_path):
@@ -318,3 +318,24 @@ def test_compaction_copies_only_the_live_items_of_a_step(tmp_path):
         assert w.tokens("live") == [p + 1 for p in range(400)] and w.policy_versions("live") == [p // 20 for p in range(400)]
         w.reclaim()
         w.close()
+
+
+def test_append_packed_equals_append_and_checks_what_pack_checks(tmp_path):
+    w = wal.open(tmp_path)
+    toks, lps = [5, 2**31 - 1, 0], [-0.5, -1e-9, 0.0]
+    w.append("a", 0, toks, lps, 3)
+    w.append_packed("b", 0, np.asarray(toks, "<i4").tobytes(), np.asarray(lps, "<f8").tobytes(), 3)
+    w.append_packed("b", 0, np.asarray(toks, "<i4").tobytes(), np.asarray(lps, "<f8").tobytes(), 3)  # exact repeat
+    w.commit()
+    assert w.tokens("b") == w.tokens("a") == toks and w.logprobs("b") == lps and w.policy_versions("b") == [3] * 3
+    bad = [(np.asarray([1, -2], "<i4").tobytes(), np.zeros(2).tobytes(), "negative"),
+           (np.asarray([1, 2], "<i4").tobytes(), np.asarray([0.0, np.nan]).tobytes(), "NaN"),
+           (np.asarray([1, 2], "<i4").tobytes(), np.zeros(3).tobytes(), "per token"),
+           (b"\x01\x00\x00", b"", "per token")]
+    for tok, lp, why in bad:
+        with pytest.raises(codec.CodecError, match=why):
+            w.append_packed("c", 0, tok, lp, 0)
+    with pytest.raises(wal.ConflictError):
+        w.append_packed("b", 1, np.asarray([7], "<i4").tobytes(), np.asarray([-1e-9]).tobytes(), 3)
+    assert "c" not in w.trajectories()
+    w.close()
