@@ -213,7 +213,9 @@ def run_cpu(quick: bool, scratch: Path) -> dict:
     from learner.policy import build_policy
     from rollout.engine import model_fingerprint
 
-    torch.set_num_threads(2)
+    # One thread, as rollout workers run: on a shared 2-core machine two intra-op threads made both
+    # sides' timings swing by 50x under load.
+    torch.set_num_threads(1)
     B, P, N = (8, 16, 16) if quick else (16, 32, 64)
     model, tok = build_policy(PolicyConfig(max_positions=4096))
     model.eval()
@@ -228,7 +230,7 @@ def run_cpu(quick: bool, scratch: Path) -> dict:
     walo = wal_overhead(model, tok, prompts, N, "cpu", scratch, fp=fp)
     best = max(fast, static)
     return {"model": "tiny qwen2 (PolicyConfig defaults)", "params": sum(p.numel() for p in model.parameters()),
-            "batch": B, "prompt": P, "new_tokens": N, "threads": 2,
+            "batch": B, "prompt": P, "new_tokens": N, "threads": 1,
             "engine_tokens_per_s": fast, "engine_static_tokens_per_s": static, "engine_strict_tokens_per_s": strict,
             "hf_generate_tokens_per_s": hf, "engine_vs_hf_generate": best / hf,
             "engine_mode_for_ratio": "static" if static > fast else "eager",

@@ -23,6 +23,7 @@ import google_crc32c
 import torch
 
 from rollout.kvcache import SlotKV
+from rollout.lean_forward import LeanForward
 from rollout.sampling import SamplingParams, sample, traj_key, uniform
 
 
@@ -88,6 +89,10 @@ class Engine:
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self.fingerprint = fingerprint or model_fingerprint(model)  # callers that share a model pass it once
         self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0}
+        # On a CPU a small model's step is Python-bound: a lean forward of the same arithmetic (HF otherwise).
+        self._lean = None
+        if self.device.type == "cpu" and LeanForward.supports(model) is None:
+            self._lean = LeanForward(model)
         self.static = None
         if static_decode and not strict:  # all slots per step; a CUDA graph on a GPU
             from rollout.static_decode import StaticDecoder
@@ -97,6 +102,8 @@ class Engine:
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
         """New policy weights; tokens drawn from now on record `version`."""
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
+        if self._lean is not None:  # its fused q/k/v and gate/up weights are copies
+            self._lean = LeanForward(self.model)
         self.version = version
         self.fingerprint = model_fingerprint(self.model)
 
@@ -305,6 +312,8 @@ class Engine:
 
     def _run(self, ids, pos, mask) -> torch.Tensor:
         self.stats["forwards"] += 1
+        if self._lean is not None:
+            return self._lean(ids, pos, mask, self.kv)
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: self.kv})
         return out.logits
