@@ -26,7 +26,7 @@ def main(out: str, runs: list[str]) -> None:
     ax.set_xlabel("wall time of the run (min, start-up included)")
     ax.set_ylabel("greedy eval pass@1 (n = 256)")
     ax.set_xlim(0, 15)
-    ax.set_ylim(0.5, 1.0)
+    ax.set_ylim(0.5, 1.01)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("postrain grpo from the default SFT base (2 shared CPU cores)")
