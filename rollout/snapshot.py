@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
-import google_crc32c
 import torch
 from safetensors.torch import save as st_save
 
@@ -57,7 +56,8 @@ def tokens_hash(tokens: list[int]) -> str:
 
 
 def _chunk_crcs(payload: bytes, chunk: int) -> list[int]:
-    return [google_crc32c.value(payload[i:i + chunk]) for i in range(0, len(payload), chunk)]
+    view = memoryview(payload)
+    return [crc32c.crc32c(view[i:i + chunk]) for i in range(0, len(payload), chunk)]
 
 
 def encode(traj_id: str, tokens: list[int], tensors: dict[str, torch.Tensor], policy_version: int,
@@ -188,7 +188,7 @@ def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
 
         def one(i: int) -> bool:
             # Straight into the staging buffer: one copy out of the page cache, no fresh pages to fault in
-            # (crc32c, unlike google_crc32c, checksums a writable buffer in place, without the GIL).
+            # (crc32c checksums a writable buffer in place, without the GIL; google_crc32c takes only bytes).
             a = i * h.chunk_bytes
             want = min(h.chunk_bytes, payload - a)
             view = memoryview(dst[a:a + want]).cast("B")

@@ -93,13 +93,19 @@ def test_a_zeroed_record_followed_by_valid_records_is_corruption(tmp_path):
     assert report["corruption"][0]["offset"] == ends[3] and report["corruption"][0]["valid_records_follow"]
 
 
-def test_zeroed_tail_of_a_sealed_segment_is_a_gap(tmp_path):
+def _committed_steps(path, n: int) -> "wal.WALConfig":
+    """n committed 4-token appends to one trajectory in 4 KiB segments; returns the config used."""
     cfg = wal.WALConfig(segment_bytes=4096)
-    w = wal.open(tmp_path, cfg)
-    for i in range(200):
+    w = wal.open(path, cfg)
+    for i in range(n):
         w.append("t", i * 4, [i] * 4, [-1.0] * 4, 0)
         w.commit()
     w.close()
+    return cfg
+
+
+def test_zeroed_tail_of_a_sealed_segment_is_a_gap(tmp_path):
+    cfg = _committed_steps(tmp_path, 200)
     segs = segments.list_segments(tmp_path)
     assert len(segs) >= 3
     sealed = segs[0][1]
@@ -113,12 +119,7 @@ def test_zeroed_tail_of_a_sealed_segment_is_a_gap(tmp_path):
 
 
 def test_sealed_segment_left_with_its_reserve_by_a_crash_is_accepted_and_trimmed(tmp_path):
-    cfg = wal.WALConfig(segment_bytes=4096)
-    w = wal.open(tmp_path, cfg)
-    for i in range(100):
-        w.append("t", i * 4, [i] * 4, [-1.0] * 4, 0)
-        w.commit()
-    w.close()
+    cfg = _committed_steps(tmp_path, 100)
     first = segments.list_segments(tmp_path)[0][1]
     size = first.stat().st_size
     with open(first, "r+b") as f:  # a crash between the roll and the truncate of the sealed segment
