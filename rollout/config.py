@@ -35,6 +35,8 @@ class PoolConfig(Config):
     seed: int = Field(0, ge=0, description="run seed: trajectory ids and sampling follow from it")
     wal_addr: str = Field("", description="WAL service host:port; empty = an in-process WAL per worker under the run dir")
     sandbox_addr: str = Field("", description="sandbox service host:port; empty = the pool starts a local one")
+    sandbox_isolate_pure: bool = Field(True, description="the local sandbox also isolates the pure calc tool; false "
+                                       "answers it in the service process (fast; python stays isolated)")
     snapshot_uri: str = Field("", description="KV snapshot store (dir or pyarrow.fs URI); empty = RUN_DIR/kv")
     commit_group_steps: int = Field(1, ge=1, le=256, description="decode steps per WAL commit (tokens are exposed only once committed)")
     max_commit_lag: int = Field(4, ge=1, le=256, description="WAL commits in flight in the background while decoding goes on")

@@ -77,7 +77,8 @@ class RolloutPool:
             from rewards.sandbox.config import SandboxConfig
             from rewards.sandbox.server import SandboxServer
 
-            self.sandbox = SandboxServer(SandboxConfig(log_dir=self.run_dir / "sandbox"))
+            self.sandbox = SandboxServer(SandboxConfig(log_dir=self.run_dir / "sandbox",
+                                                       isolate_pure_tools=pool.sandbox_isolate_pure))
             target, token = self.sandbox.target, self.sandbox.token
         snap = pool.snapshot_uri or str(self.run_dir / "kv")
         self.weights_ref, self.version = None, 0

@@ -126,7 +126,8 @@ class SandboxServer:
         else:
             print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")
-        toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python, slots=cfg.max_concurrent)
+        toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python, slots=cfg.max_concurrent,
+                          isolate_pure=cfg.isolate_pure_tools)
         self.toolbox = toolbox
         self.service = SandboxService(self.log, toolbox, Slots(cfg.max_concurrent, cfg.max_queued, cfg.queue_wait_s),
                                       cfg.entries_page)

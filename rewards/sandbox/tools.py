@@ -124,7 +124,9 @@ def _write_atomic(path: Path, data: bytes) -> None:
 class Toolbox:
     """Runs one tool call. Isolated tools go through `isolator` as execution slot `slot`."""
 
-    def __init__(self, state_dir: Path, isolator: Isolator | None, limits: Limits, python: str, slots: int = 0):
+    def __init__(self, state_dir: Path, isolator: Isolator | None, limits: Limits, python: str, slots: int = 0,
+                 isolate_pure: bool = True):
+        self.isolate_pure = isolate_pure
         self.counter_dir = Path(state_dir) / "counters"
         self.counter_dir.mkdir(parents=True, exist_ok=True)
         self.isolator = isolator
@@ -168,7 +170,7 @@ class Toolbox:
             limits = limits._replace(wall_s=min(limits.wall_s, timeout_ms / 1000))
         if tool == "counter":
             return self._counter(args, limits)
-        if self.isolator is None:  # only with require_isolation=false
+        if self.isolator is None or (tool == "calc" and not self.isolate_pure):
             if tool == "calc":  # pure and bounded: the same answer as the isolated run, minus the process
                 try:
                     return ToolOutcome(True, str(rewards.calculator.calculate(args)))

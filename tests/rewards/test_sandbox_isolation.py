@@ -237,3 +237,23 @@ def test_a_dead_prestarted_sandbox_is_replaced(tmp_path):
         assert tb._ready[0].poll() is None  # and the slot is warm again
     finally:
         tb.close()
+
+
+def test_pure_calc_in_process_when_asked_python_still_isolated(tmp_path):
+    import sys
+
+    from rewards.sandbox.isolation import Isolator
+    from rewards.sandbox.tools import Toolbox
+
+    tb = Toolbox(tmp_path, Isolator(), T.Limits(), os.path.realpath(sys.executable), slots=1, isolate_pure=False)
+    try:
+        warm = tb._ready[0]
+        assert tb.run("calc", "6*7", 0, 0).output == "42"
+        bad = tb.run("calc", "6*", 0, 0)
+        assert not bad.ok and bad.error_kind == T.TOOL_ERROR and "syntax" in bad.error
+        assert tb._ready[0] is warm  # answered in the service: the slot's sandbox was not used
+        out = tb.run("python", "import os\nprint(os.getuid())\n", 0, 0)
+        assert out.ok and int(out.output) >= UID_BASE  # python still runs in a sandbox, under its slot's uid
+        assert tb._ready[0] is not warm
+    finally:
+        tb.close()
