@@ -15,8 +15,9 @@ gRPC log service; also the per-sandbox environment log.
     envlog.py     EnvLog: per-sandbox environment log (invoke/result/release, durable on return)
     verify.py     read-only scan for `postrain wal verify` / `dump`
     wal.proto     gRPC service; wal_pb2.py / wal_pb2_grpc.py are generated from it (grpcio-tools)
+    grpc_poller.py  `grpc`, loaded with the poller that polls in the waiting thread (fewer thread wake-ups per step)
     server.py     gRPC log service (auth, bounded messages, streaming append with durable acks)
-    client.py     RemoteWAL: TokenLog over gRPC, reconnects and retries idempotently
+    client.py     RemoteWAL: TokenLog over gRPC (append stream on grpc.aio in the caller's thread), reconnects and retries idempotently
 """
 from __future__ import annotations
 

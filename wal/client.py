@@ -6,22 +6,26 @@ breaks (server restart, network), the client reconnects and resends every reques
 acknowledged; the server treats exact repeats as no-ops, so a retry neither loses nor duplicates a
 token. Errors that retrying cannot fix (gap, rewrite, finalized, malformed) raise the matching wal
 exception and drop the queued chunks of that batch. Retries are bounded by `retry_s`.
+
+The append stream runs on a grpc.aio channel driven by a private event loop in the caller's thread
+(_AppendStream): the sync API would consume the requests on a thread of its own, with two more thread
+hand-offs per commit. Reads, finalize and stats are unary calls on a sync channel.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
-import queue
 import threading
 import time
+from concurrent import futures
 from typing import Sequence
-
-import grpc
 
 from wal import codec
 from wal import wal_pb2 as pb
 from wal.base import TokenLog
 from wal.errors import ConflictError, FinalizedError, GapError, LogClosedError, RemoteError, WALError
+from wal.grpc_poller import grpc
 from wal.server import ERROR_KEY, SERVICE
 from wal.store import _index
 
@@ -29,12 +33,15 @@ _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCod
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
 _ERRORS = {"GapError": GapError, "ConflictError": ConflictError, "FinalizedError": FinalizedError,
            "CodecError": codec.CodecError}
-_END = object()
 _MAX_UNACKED = 16  # requests held for resending before an append forces a commit
 
 
 class AuthError(WALError, PermissionError):
     """The service refused the shared secret."""
+
+
+class _StreamEnded(Exception):
+    """The append stream ended without an error status (a server going away): reconnect and resend."""
 
 
 def _to_exception(err: grpc.RpcError) -> Exception:
@@ -55,15 +62,14 @@ class RemoteWAL(TokenLog):
         self._md = (("authorization", f"Bearer {token}"),) if token else ()
         self._max_msg = max_message_bytes
         self._max_pending = min(max_pending_bytes, max_message_bytes // 2)
-        self._channel = grpc.insecure_channel(address, options=[
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1_000),
-            ("grpc.enable_retries", 0)])  # resending after a reconnect is ours; C-core's retry buffering only costs CPU
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+                   ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1_000),
+                   ("grpc.enable_retries", 0)]  # resending after a reconnect is ours; C-core's retry buffering only costs CPU
+        self._channel = grpc.insecure_channel(address, options=options)
+        self._appends = _AppendStream(address, options, self._md)
         ser = lambda m: m.SerializeToString()  # noqa: E731
-        self._append_rpc = self._channel.stream_stream(f"/{SERVICE}/Append", request_serializer=ser,
-                                                       response_deserializer=pb.AppendAck.FromString)
         self._unary = {name: self._channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=ser, response_deserializer=out.FromString)
                        for name, out in (("Read", pb.ReadReply), ("Trajectories", pb.TrajectoriesReply),
                                          ("Finalize", pb.CommitReply), ("Stats", pb.StatsReply))}
@@ -71,9 +77,7 @@ class RemoteWAL(TokenLog):
         self._batch_ids = itertools.count(1)
         self._chunks: list[pb.TokenChunk] = []
         self._chunk_bytes = 0
-        self._unacked: list[pb.AppendRequest] = []  # sent (or to send) on the current stream, not yet acknowledged
-        self._stream = None
-        self._requests: queue.Queue | None = None
+        self._unacked: list[pb.AppendRequest] = []  # sent on the current stream (or to send), not yet acknowledged
         self._closed = False
         self.reconnects = 0
 
@@ -131,29 +135,18 @@ class RemoteWAL(TokenLog):
         if self._closed:
             raise LogClosedError(f"connection to WAL service {self.address} is closed")
 
-    def _open_stream(self) -> None:
-        self._requests = q = queue.Queue()
-
-        def gen():
-            while True:
-                item = q.get()
-                if item is _END:
-                    return
-                yield item
-
-        self._stream = self._append_rpc(gen(), metadata=self._md)
-        for req in self._unacked:  # resend what the broken stream never acknowledged
-            q.put(req)
-
-    def _send(self, commit: bool) -> pb.AppendRequest:
+    def _send(self, commit: bool) -> tuple[pb.AppendRequest, bool]:
+        """Make the queued chunks one request, held until acknowledged; returns it and whether it was sent (a commit on
+        an open stream is sent together with the read of its ack)."""
         req = pb.AppendRequest(batch_id=next(self._batch_ids), chunks=self._chunks, commit=commit)
         self._chunks, self._chunk_bytes = [], 0
         self._unacked.append(req)
-        if self._stream is None:
-            self._open_stream()
-        else:
-            self._requests.put(req)
-        return req
+        if not self._appends.is_open():
+            self._appends.open(self._unacked)
+            return req, True
+        if not commit:
+            self._appends.write(req)
+        return req, not commit
 
     def commit(self) -> int:
         with self._lock:
@@ -162,37 +155,28 @@ class RemoteWAL(TokenLog):
 
     def _commit_locked(self) -> int:
         """Send the queued chunks with commit=true and wait for the ack, reconnecting and resending as needed."""
-        req = self._send(commit=True)
+        req, sent = self._send(commit=True)
         deadline = time.monotonic() + self.retry_s
         while True:
             try:
-                ack = next(self._stream)
+                ack = self._appends.write_and_read(None if sent else req)
                 if ack.batch_id != req.batch_id:
                     raise RemoteError(f"WAL service acknowledged batch {ack.batch_id}, expected {req.batch_id}")
                 self._unacked.clear()
                 return ack.durable_lsn
-            except (grpc.RpcError, StopIteration) as exc:
-                self._drop_stream()
+            except (grpc.RpcError, _StreamEnded) as exc:
+                self._appends.cancel()
                 if isinstance(exc, grpc.RpcError) and exc.code() not in _RETRY:
                     self._unacked.clear()
                     raise _to_exception(exc) from None
                 self._await_server(deadline, exc)
                 self.reconnects += 1
-                self._open_stream()
-
-    def _drop_stream(self) -> None:
-        if self._stream is not None:
-            self._requests.put(_END)
-            self._stream.cancel()
-        self._stream = self._requests = None
+                self._appends.open(self._unacked)
+                sent = True
 
     def _await_server(self, deadline: float, exc: BaseException) -> None:
         remaining = deadline - time.monotonic()
-        try:
-            if remaining <= 0:
-                raise grpc.FutureTimeoutError()
-            grpc.channel_ready_future(self._channel).result(timeout=remaining)
-        except grpc.FutureTimeoutError:
+        if remaining <= 0 or not self._appends.wait_ready(remaining):
             self._unacked.clear()
             raise RemoteError(f"WAL service {self.address} unreachable for {self.retry_s:.0f}s "
                               f"(last error: {getattr(exc, 'details', lambda: exc)()}); unacknowledged appends were not confirmed") from None
@@ -258,5 +242,93 @@ class RemoteWAL(TokenLog):
         finally:
             with self._lock:
                 self._closed = True
-                self._drop_stream()
+                self._appends.close()
                 self._channel.close()
+
+
+class _AppendStream:
+    """The Append stream on a grpc.aio channel, driven by a private event loop that runs in the calling thread.
+
+    Only while a write or a read is awaited does the loop run; the caller (RemoteWAL, under its lock) is the only
+    user. A caller that runs an event loop of its own cannot run a second one in its thread: then this loop runs
+    on a helper thread, one hand-off per call.
+    """
+
+    def __init__(self, address: str, options, metadata):
+        self._loop = asyncio.new_event_loop()
+        self._md = metadata
+        self._helper: futures.ThreadPoolExecutor | None = None
+        self._call = None
+
+        async def make():
+            channel = grpc.aio.insecure_channel(address, options=options)
+            return channel, channel.stream_stream(f"/{SERVICE}/Append", request_serializer=pb.AppendRequest.SerializeToString,
+                                                  response_deserializer=pb.AppendAck.FromString)
+        self._channel, self._rpc = self._run(make())
+
+    def _run(self, coro):
+        if asyncio._get_running_loop() is None:
+            return self._loop.run_until_complete(coro)
+        if self._helper is None:
+            self._helper = futures.ThreadPoolExecutor(1, thread_name_prefix="wal-append")
+        return self._helper.submit(self._loop.run_until_complete, coro).result()
+
+    def is_open(self) -> bool:
+        return self._call is not None
+
+    def open(self, requests: list) -> None:
+        """Start a new stream and send `requests` on it (those the last stream did not acknowledge)."""
+        async def go():
+            self._call = self._rpc(metadata=self._md)
+            for req in requests:
+                await self._write(req)
+        self._run(go())
+
+    async def _write(self, req) -> None:
+        try:
+            await self._call.write(req)
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the stream has ended; the next read raises its status
+
+    def write(self, req) -> None:
+        self._run(self._write(req))
+
+    def write_and_read(self, req):
+        """Send `req` (None: nothing), then wait for the next acknowledgement."""
+        async def go():
+            if req is not None:
+                await self._write(req)
+            ack = await self._call.read()
+            if ack is grpc.aio.EOF:
+                raise _StreamEnded()
+            return ack
+        return self._run(go())
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the channel (re)connected within `timeout_s`."""
+        async def go():
+            try:
+                await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+                return True
+            except asyncio.TimeoutError:
+                return False
+        return self._run(go())
+
+    def cancel(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+
+            async def ended():
+                await call.code()  # its last completion is in: none can reach the loop after close()
+            self._run(ended())
+
+    def close(self) -> None:
+        self.cancel()
+        self._run(self._channel.close())
+        # grpc's poller hands this loop the channel's last completions a little after close(); one landing after the
+        # loop is closed is logged as an error (measured: 38 in 100 close()s without this wait, none with 1 ms)
+        self._run(asyncio.sleep(0.01))
+        self._loop.close()
+        if self._helper is not None:
+            self._helper.shutdown()

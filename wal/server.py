@@ -20,13 +20,13 @@ import socket
 from concurrent import futures
 from pathlib import Path
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from wal import codec
 from wal import wal_pb2 as pb
 from wal.config import ServeConfig, WALConfig
 from wal.errors import ConflictError, FinalizedError, GapError, LogClosedError, WALError
+from wal.grpc_poller import grpc
 from wal.tokenwal import TokenWAL
 
 SERVICE = "postrain.wal.v1.TokenLog"

@@ -2,6 +2,7 @@
 server SIGKILLed mid-stream and restarted while a client keeps appending (no loss, no duplicate)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -60,6 +61,37 @@ def test_remote_roundtrip_and_errors(server):
     c.commit()
     assert c.tokens("a") == [1, 2, 3, 4, 5]
     c.close()
+
+
+def test_client_called_inside_a_running_event_loop(server):
+    """A caller with an asyncio loop of its own (an async actor, say): the append stream's private loop then runs
+    on a helper thread instead of the caller's."""
+    async def main():
+        c = wal.connect(server.address)
+        for s in range(3):
+            c.append("a", s, [s], [-0.5], 0)
+            c.commit()
+        c.append("a", 9, [9], [-0.5], 0)
+        with pytest.raises(wal.GapError):
+            c.commit()
+        got = c.tokens("a")
+        c.close()
+        return got
+
+    assert asyncio.run(main()) == [0, 1, 2]
+
+
+def test_grpc_poller_choice_leaves_the_environment_alone():
+    """wal.grpc_poller picks gRPC's poller for a process that has not loaded grpc, then removes the variable (child
+    processes choose for themselves); an explicit GRPC_EXPERIMENTS is kept as it is."""
+    code = ("import os, sys; import wal.client; assert 'grpc' in sys.modules; "
+            "print(os.environ.get('GRPC_EXPERIMENTS', '<unset>'))")
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "<unset>", out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env={**env, "GRPC_EXPERIMENTS": "-event_engine_dns"},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "-event_engine_dns", out.stderr
 
 
 def test_long_trajectory_reads_in_chunks(tmp_path):
