@@ -33,7 +33,12 @@ class LoopConfig(Config):
     chaos_faults: int = Field(2, ge=0, le=1000, description="faults injected into each iteration's rollouts under --chaos")
     prompt_pool: int = Field(0, ge=0, le=100_000_000, description="distinct train prompts cycled through in order "
                                                                   "(a fixed prompt set); 0 = fresh prompts every iteration")
-    seed: int = Field(0, ge=0, description="prompt draw seed (prompts of iteration k are a pure function of it and k)")
+    replay_share: float = Field(0.0, ge=0.0, le=1.0, description="share of each iteration's prompts taken from a queue "
+                                "of prompts an earlier group left unsolved (hard-prompt replay); 0 = off")
+    replay_max: int = Field(4, ge=1, le=1000, description="times one prompt may be replayed")
+    replay_solved_below: float = Field(0.5, gt=0.0, le=1.0, description="a group whose solve rate is below this "
+                                       "queues its prompt for replay (1.0 = any group not fully solved)")
+    seed: int = Field(0, ge=0, description="prompt draw seed (fresh prompts of iteration k are a pure function of it and k)")
     catalog: str = Field("", description="data-plane catalog (SQLite path or PostgreSQL URL); empty = OUT/dataplane/catalog.db")
     store: str = Field("", description="data-plane shard store (dir or pyarrow.fs URI); empty = OUT/dataplane/store")
 

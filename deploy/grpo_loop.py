@@ -15,8 +15,12 @@ With `loop.async_rollouts` the rollouts of k+1 run (in a thread driving the Ray 
 learner trains on k: their tokens are sampled one policy version behind, which the learner's
 staleness bound sees. Weights reach the workers between rollout batches only.
 
+With `loop.replay_share` > 0, up to that share of each iteration's prompts are prompts an earlier
+group left unsolved (`learner.prompt_replay`): iteration k's prompts then also depend on the results
+of batches before k, which a resumed run reads back from the data plane.
+
 Resume: the run continues from `OUT/checkpoints/latest`. Prompts and sampling are pure functions of
-(seed, iteration, trajectory id, position), a complete batch already in the data plane was sampled by
+(seed, iteration, earlier batches, trajectory id, position), a complete batch already in the data plane was sampled by
 the checkpoint's policy (or, one-step-off, by the one before it, which is why the checkpoint is only
 written after that batch is durable), so the resumed run repeats the uninterrupted run's metrics.
 """
@@ -25,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,13 +47,17 @@ from deploy.rundir import RunDir
 TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s")
 
 
+_PROMPT_INDEX = re.compile(r"-p(\d+)-g\d+$")  # prompt j of a trajectory id (make_requests)
+
+
 def batch_name(iteration: int) -> str:
     """Data-plane run name of iteration k's rollouts."""
     return f"it{iteration:06d}"
 
 
-def make_requests(cfg: GRPOLoopConfig, domain: str, iteration: int) -> list:
-    """P prompts × G samples; each sample has its own trajectory id, hence its own RNG stream."""
+def make_requests(cfg: GRPOLoopConfig, domain: str, iteration: int, replayed: Sequence[str] = ()) -> list:
+    """P prompts × G samples (`replayed` prompts first, fresh ones after); each sample has its own
+    trajectory id, hence its own RNG stream."""
     from rollout.sampling import SamplingParams
     from rollout.types import Request
 
@@ -61,6 +71,7 @@ def make_requests(cfg: GRPOLoopConfig, domain: str, iteration: int) -> list:
         prompts = [pool[(first + j) % len(pool)] for j in range(lp.prompts_per_iteration)]
     else:
         prompts = dom.prompts("train", lp.prompts_per_iteration, lp.seed * 1_000_003 + iteration)
+    prompts = (list(replayed) + prompts)[: lp.prompts_per_iteration]
     return [Request(f"{domain}-{batch_name(iteration)}-p{j:04d}-g{g:03d}", domain, p, params)
             for j, p in enumerate(prompts) for g in range(lp.group_size)]
 
@@ -136,6 +147,16 @@ class GRPOLoop:
         self.catalog = cfg.loop.catalog or str(self.out / "dataplane" / "catalog.db")
         self.store = cfg.loop.store or str(self.out / "dataplane" / "store")
         self.batch_size = cfg.loop.prompts_per_iteration * cfg.loop.group_size
+        self.replay = None
+        if cfg.loop.replay_share > 0:
+            from learner.prompt_replay import PromptReplay
+
+            lp = cfg.loop  # the queue keeps 4 iterations' worth of prompts: older entries describe an older policy
+            self.replay = PromptReplay(lp.replay_share, lp.replay_max, lp.replay_solved_below,
+                                       capacity=4 * lp.prompts_per_iteration)
+        self._drawn: dict[int, list] = {}  # iteration -> its requests (drawn once, in iteration order)
+        self._observed = 0  # batches the replay queue has seen
+        self._replayed: dict[int, dict] = {}  # iteration -> its replay metrics (replayed prompts, queue left)
 
     def _prepare_out(self, resume: bool) -> None:
         meta = {"domain": self.domain, "init": str(self.init)}
@@ -206,13 +227,16 @@ class GRPOLoop:
             for k in range(start, self.iterations):
                 t0 = time.monotonic()
                 if roll is None:  # not rolled out ahead: now (a partial batch of an interrupted attempt goes first)
+                    requests = self._requests(k)  # drawn in order, whether or not it is rolled out
                     if not self._complete(k):
                         self._drop_batch(k)
-                    roll = self._rollout(k) if not self._complete(k) else {}
+                    roll = self._rollout(k, requests) if not self._complete(k) else {}
                 ahead = None
-                if executor is not None and k + 1 < self.iterations and not self._complete(k + 1):
-                    self._drop_batch(k + 1)
-                    ahead = executor.submit(self._rollout, k + 1)
+                if executor is not None and k + 1 < self.iterations:
+                    requests = self._requests(k + 1)  # drawn here, in order, whether or not it is rolled out
+                    if not self._complete(k + 1):
+                        self._drop_batch(k + 1)
+                        ahead = executor.submit(self._rollout, k + 1, requests)
                 t_train = time.monotonic()
                 train = self._train(k)
                 t1 = time.monotonic()
@@ -221,7 +245,7 @@ class GRPOLoop:
                 nxt = ahead.result() if ahead is not None else None
                 self.pool.update_weights(weights, version)
                 self.dp.publish_policy_version(batch_name(k), version)
-                self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **train,
+                self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **self._replayed.pop(k, {}), **train,
                              train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
                 done = k + 1
                 if lp.time_budget_s and done < self.iterations and self._over_budget(time.monotonic() - t0):
@@ -256,12 +280,39 @@ class GRPOLoop:
         return time.monotonic() - self.t_start + 2 * iteration_s > self.cfg.loop.time_budget_s
 
     # -- stages ------------------------------------------------------------------------------------------
-    def _rollout(self, k: int) -> dict:
+    def _requests(self, k: int) -> list:
+        """Iteration k's requests, drawn once: with prompt replay, after batches < k have been observed."""
+        if k not in self._drawn:
+            replayed = []
+            if self.replay is not None:
+                for j in range(self._observed, k):
+                    self._requests(j)  # earlier draws take from the queue first (a resumed run rebuilds it)
+                    self._observe(j)
+                replayed = self.replay.take(self.cfg.loop.prompts_per_iteration)
+                self._replayed[k] = {"replayed_prompts": len(replayed), "replay_queue": len(self.replay)}
+            self._drawn[k] = make_requests(self.cfg, self.domain, k, replayed)
+            self._drawn.pop(k - 2, None)
+        return self._drawn[k]
+
+    def _observe(self, j: int) -> None:
+        """Batch j's groups into the replay queue (prompt index p{NNNN} of each trajectory id)."""
+        sel = self.dp.select(run=batch_name(j), status=None)
+        if len(sel) != self.batch_size:
+            raise RuntimeError(f"grpo: prompt replay: batch {j} holds {len(sel)} of {self.batch_size} trajectories")
+        prompts = [r.prompt for r in self._requests(j)[:: self.cfg.loop.group_size]]
+        solved, count = np.zeros(len(prompts)), np.zeros(len(prompts))
+        for traj_id, reward in zip(sel.ids, sel.reward):
+            p = int(_PROMPT_INDEX.search(str(traj_id)).group(1))
+            solved[p] += reward >= 1.0
+            count[p] += 1
+        self.replay.observe(prompts, (solved / np.maximum(count, 1)).tolist())
+        self._observed = j + 1
+
+    def _rollout(self, k: int, requests: list) -> dict:
         """Iteration k's P×G rollouts through the pool into the data plane; the pool's counters."""
         from rollout import chaos as chaos_mod
 
         t0 = time.monotonic()
-        requests = make_requests(self.cfg, self.domain, k)
         faults = []
         if self.chaos_seed is not None and self.cfg.loop.chaos_faults:
             faults = chaos_mod.schedule(self.chaos_seed * 1_000_003 + k, self.cfg.pool.workers, self.cfg.loop.chaos_faults)

@@ -2,6 +2,9 @@
 
 The product is out of reach of a small model's mental arithmetic, so the right answer needs a
 ``<call>calc: A*B</call>`` whose ``<result>`` the environment supplies; see `rewards.protocol`.
+A wrong final answer after a truthful transcript earns partial credit, at most `PARTIAL_CREDIT`, for
+the digits it has in the right place: a near-right copy of the result beats a far one, so a group
+whose samples all miss still ranks them (pass@1 counts only reward 1).
 """
 from __future__ import annotations
 
@@ -14,6 +17,14 @@ from rewards.types import Domain, Verdict
 
 _PROMPT_RE = re.compile(r"mul (\d{1,4})\*(\d{1,4})=")
 MAX_CALLS = 4
+PARTIAL_CREDIT = 0.5  # the most a wrong answer earns, for the digits it has right (a near-right copy of the result)
+
+
+def digit_agreement(got: str, want: str) -> float:
+    """Share of positions where `got` and `want` hold the same character, over the longer of the two."""
+    if not got or not want:
+        return 0.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))
 
 
 class Calc(Domain):
@@ -63,4 +74,4 @@ class Calc(Domain):
             return Verdict(1.0, "correct")
         if not got:
             return Verdict(0.0, "no final answer after the tool result")
-        return Verdict(0.0, f"wrong: expected {answer}, got {got[:32]!r}")
+        return Verdict(PARTIAL_CREDIT * digit_agreement(got, str(answer)), f"wrong: expected {answer}, got {got[:32]!r}")

@@ -114,6 +114,19 @@ def test_resumed_run_repeats_uninterrupted_metrics(tmp_path, reverse_base, unint
     assert [_seeded(r) for r in _rows(uninterrupted, "eval")] == [_seeded(r) for r in _rows(out, "eval")]
 
 
+def test_prompt_replay_resumes_exactly(tmp_path, reverse_base):
+    # Replayed prompts depend on earlier batches' rewards: a resumed run must rebuild the queue.
+    cfg = _cfg("loop.replay_share=0.5", "loop.replay_max=2")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_grpo(cfg, "reverse", reverse_base, straight, iterations=3, quiet=True)
+    run_grpo(cfg, "reverse", reverse_base, resumed, iterations=3, quiet=True, stop_after=2)
+    run_grpo(cfg, "reverse", reverse_base, resumed, iterations=3, quiet=True, resume=True)
+    a, b = _rows(straight, "train"), _rows(resumed, "train")
+    assert [r["replayed_prompts"] for r in a][0] == 0 and sum(r["replayed_prompts"] for r in a[1:]) > 0, a
+    assert all(r["replayed_prompts"] <= 2 for r in a)  # at most half of the 4 prompts
+    assert [_seeded(r) for r in a] == [_seeded(r) for r in b]
+
+
 def test_chaos_run_completes_and_trains_on_the_same_tokens(tmp_path, reverse_base, uninterrupted):
     out = tmp_path / "chaos"
     cfg = _cfg("loop.chaos_faults=3", "pool.workers=2", "pool.steps_per_call=2")  # short calls: room for faults

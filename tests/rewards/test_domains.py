@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rewards
-from rewards import protocol
+from rewards import calc, protocol
 from rewards.calculator import CalcError, calculate
 
 NAMES = rewards.domains()
@@ -36,13 +36,28 @@ def test_demonstrations_verify(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_wrong_answers_score_zero_with_reason(name):
+def test_wrong_answers_score_below_one_with_reason(name):
     d = rewards.domain(name)
     p = d.prompts("train", 1, 0)[0]
     good = d.demonstration(p)
     wrong = good[:-1] + ("0" if good[-1] != "0" else "1")
     r, reason = d.verify(p, wrong)
-    assert r == 0.0 and reason.startswith("wrong")
+    assert reason.startswith("wrong")
+    if name == "calc":  # partial credit for the digits of a near-right copy of the tool's result
+        answer = protocol.final_answer(good)
+        assert r == pytest.approx(calc.PARTIAL_CREDIT * (len(answer) - 1) / len(answer))
+    else:
+        assert r == 0.0
+
+
+def test_calc_partial_credit_is_positional_and_below_a_right_answer():
+    d, p = rewards.domain("calc"), "mul 113*376="
+    transcript = "<call>calc: 113*376</call><result>42488</result>"
+    assert d.verify(p, transcript + "42488")[0] == 1.0
+    assert d.verify(p, transcript + "42248")[0] == pytest.approx(0.5 * 3 / 5)  # shifted copy: 4 2 . . 8
+    assert d.verify(p, transcript + "422488")[0] == pytest.approx(0.5 * 3 / 6)  # an extra digit
+    assert d.verify(p, transcript + "x")[0] == 0.0
+    assert calc.digit_agreement("", "1") == 0.0 and calc.digit_agreement("12", "12") == 1.0
 
 
 HOSTILE = ["", " ", "\x00\x01\xff", "9" * 100_000, "<call>calc: 1</call>" * 50, "<result>", "</result>" * 3,
