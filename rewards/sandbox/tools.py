@@ -170,12 +170,12 @@ class Toolbox:
             limits = limits._replace(wall_s=min(limits.wall_s, timeout_ms / 1000))
         if tool == "counter":
             return self._counter(args, limits)
-        if self.isolator is None or (tool == "calc" and not self.isolate_pure):
-            if tool == "calc":  # pure and bounded: the same answer as the isolated run, minus the process
-                try:
-                    return ToolOutcome(True, str(rewards.calculator.calculate(args)))
-                except rewards.calculator.CalcError as exc:
-                    return ToolOutcome(False, "", T.TOOL_ERROR, str(exc))
+        if tool == "calc" and (self.isolator is None or not self.isolate_pure):
+            try:  # pure and bounded: the same answer as the isolated run, minus the process
+                return ToolOutcome(True, str(rewards.calculator.calculate(args)))
+            except rewards.calculator.CalcError as exc:
+                return ToolOutcome(False, "", T.TOOL_ERROR, str(exc))
+        if self.isolator is None:  # only with require_isolation=false
             return ToolOutcome(False, "", T.TOOL_ERROR, f"the {tool} tool needs bubblewrap, which this service lacks")
         if tool == "calc":
             run = self._run_python(*calc_program(args), limits, slot)
