@@ -63,6 +63,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `over` laid on top, table by table (a new dict; neither input changes)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def build(model: type[C], data: dict[str, Any], where: str = "config") -> C:
     """Validate `data` as `model`; a failure names the first bad key and why."""
     try:

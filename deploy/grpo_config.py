@@ -3,12 +3,18 @@
 One flat file (`configs/grpo_loop.toml`): `[loss] [advantages] [staleness] [optim] [learner]` are the
 learner's (`learner/grpo_config.py`), `[engine] [sampling] [pool]` the rollout path's
 (`rollout/config.py`), `[eval]` pass@1 (`learner/config.py`), `[loop]` what composes them.
+`[domain.NAME.*]` tables override any of those for one domain (`load_for_domain`); `--set` still wins.
 """
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Any
 
+from pydantic import Field, model_validator
+
+from deploy import config
 from deploy.config import Config
+from deploy.errors import UserError
 from learner.config import EvalConfig
 from learner.grpo_config import GRPOConfig
 from rollout.config import EngineConfig, PoolConfig, RolloutConfig, SamplingConfig
@@ -51,6 +57,15 @@ class GRPOLoopConfig(GRPOConfig):
     pool: PoolConfig = Field(default_factory=PoolConfig, description="rollout workers and pool")
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig(n=64), description="pass@1 on the domain's eval split")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="the loop composing them")
+    domain: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-domain overrides: "
+                                              "`[domain.calc.optim] lr = 1e-4` applies when --domain calc runs")
+
+    @model_validator(mode="after")
+    def _domain_tables_validate(self):
+        base = self.model_dump(exclude={"domain"})
+        for name, over in self.domain.items():  # a bad key in a domain's table fails now, not when that domain runs
+            config.build(GRPOLoopConfig, config.merge(base, over), where=f"[domain.{name}]")
+        return self
 
     def learner_config(self) -> GRPOConfig:
         """The learner's part alone (what the Ray learner ranks receive)."""
@@ -58,3 +73,13 @@ class GRPOLoopConfig(GRPOConfig):
 
     def rollout_config(self) -> RolloutConfig:
         return RolloutConfig(engine=self.engine, sampling=self.sampling, pool=self.pool)
+
+
+def load_for_domain(path: str | Path | None, domain: str, overrides: list[str] | None = None) -> GRPOLoopConfig:
+    """The config of a run on `domain`: the file's tables, its `[domain.<domain>]` tables over them, then `overrides`."""
+    data = config.read_file(path) if path else {}
+    tables = data.get("domain", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise UserError(f"{path}: [domain] must hold one table per domain, e.g. [domain.calc.optim]")
+    data = config.merge(data, tables.get(domain, {}))
+    return config.build(GRPOLoopConfig, config.apply_overrides(data, overrides or []), where=str(path) if path else "config")

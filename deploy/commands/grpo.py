@@ -19,12 +19,11 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from deploy import config
     from deploy.commands._common import default_config
-    from deploy.grpo_config import GRPOLoopConfig
+    from deploy.grpo_config import load_for_domain
     from deploy.grpo_loop import run_grpo
 
-    cfg = config.load(GRPOLoopConfig, args.config or default_config("grpo_loop"), list(args.overrides))
+    cfg = load_for_domain(args.config or default_config("grpo_loop"), args.domain, list(args.overrides))
     summary = run_grpo(cfg, args.domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
                        resume=args.resume, quiet=args.quiet, stop_after=args.stop_after)
     if not args.quiet:

@@ -76,3 +76,35 @@ def test_every_field_documented_and_bounded_numbers():
                 assert field.metadata, f"{model.__name__}.{name} has no bounds"
 
     walk(JobConfig)
+
+
+def test_grpo_domain_tables_apply_to_their_domain_and_set_wins(tmp_path):
+    from deploy.grpo_config import load_for_domain
+
+    p = tmp_path / "g.toml"
+    p.write_text("[optim]\nlr = 5e-5\n[loop]\ngroup_size = 4\n[domain.calc.optim]\nlr = 1e-4\n[domain.calc.loop]\ngroup_size = 6\n")
+    calc, arith = load_for_domain(p, "calc"), load_for_domain(p, "arith")
+    assert (calc.optim.lr, calc.loop.group_size) == (1e-4, 6)
+    assert (arith.optim.lr, arith.loop.group_size) == (5e-5, 4)
+    assert load_for_domain(p, "calc", ["optim.lr=2e-5"]).optim.lr == 2e-5  # the command line beats the file
+    assert load_for_domain(p, "calc").optim.warmup_steps == arith.optim.warmup_steps  # untouched keys kept
+
+
+def test_grpo_domain_table_with_a_bad_key_fails_at_load(tmp_path):
+    from deploy.grpo_config import load_for_domain
+
+    p = tmp_path / "g.toml"
+    p.write_text("[domain.calc.optim]\nlrr = 1e-4\n")
+    with pytest.raises(UserError, match=r"\[domain\.calc\].*optim\.lrr"):
+        load_for_domain(p, "arith")  # checked even when another domain runs
+    p.write_text("[domain]\ncalc = 3\n")
+    with pytest.raises(UserError, match="one table per domain"):
+        load_for_domain(p, "calc")
+
+
+def test_shipped_grpo_config_gives_calc_its_own_lr():
+    from deploy.commands._common import default_config
+    from deploy.grpo_config import load_for_domain
+
+    path = default_config("grpo_loop")
+    assert load_for_domain(path, "calc").optim.lr == 2 * load_for_domain(path, "arith").optim.lr
