@@ -20,3 +20,16 @@ def test_bench_wal_smoke(tmp_path):
                                               "raw_prealloc_fdatasync", "floor_1byte_fdatasync"))
     assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
+
+
+def test_bench_wal_grpc_floor_smoke(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "bench.wal_grpc_floor", "--json", "--seconds", "0.05", "--rounds", "1",
+                        "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    for mode in ("echo", "fdatasync"):
+        for n in (1, 4):
+            m = out[mode][f"clients{n}"]
+            assert m["steps_s"] > 0 and m["server_cpu_us"] >= 0 and m["cpu_us_per_step"] > 0
+    assert out["bound"]["max_ratio_4_vs_1"] > 0 and out["cores"] >= 1
+    assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
