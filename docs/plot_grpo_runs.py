@@ -1,6 +1,7 @@
 """Greedy eval pass@1 of `postrain grpo` runs against wall time: docs/grpo_runs.png (README, learner section).
 
-Usage: python docs/plot_grpo_runs.py OUT.png RUN_DIR...   (each RUN_DIR holds a run's metrics.jsonl)
+Usage: python docs/plot_grpo_runs.py OUT.png [LABEL=]RUN_DIR...   (each RUN_DIR holds a run's metrics.jsonl;
+the label defaults to the domain, plus "--chaos 7" where the directory name says chaos)
 """
 import json
 import sys
@@ -16,13 +17,15 @@ COLORS = {"arith": "tab:blue", "reverse": "tab:green", "calc": "tab:red"}
 
 def main(out: str, runs: list[str]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
-    for run in map(Path, runs):
+    for arg in runs:
+        label, _, path = arg.rpartition("=")
+        run = Path(path)
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
         evals = [r for r in rows if r.get("stage") == "eval"]
         domain = json.loads((run / "grpo_run.json").read_text())["domain"]
         chaos = "chaos" in run.name
         ax.plot([r["time_s"] / 60 for r in evals], [r["eval_pass_at_1"] for r in evals], marker="o", markersize=3,
-                color=COLORS.get(domain), linestyle="--" if chaos else "-", label=f"{domain}{' --chaos 7' if chaos else ''}")
+                color=None if label else COLORS.get(domain), linestyle="--" if chaos else "-", label=label or f"{domain}{' --chaos 7' if chaos else ''}")
     ax.set_xlabel("wall time of the run (min, start-up included)")
     ax.set_ylabel("greedy eval pass@1 (n = 256)")
     ax.set_xlim(0, 15)
