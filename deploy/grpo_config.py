@@ -76,10 +76,12 @@ class GRPOLoopConfig(GRPOConfig):
 
 
 def load_for_domain(path: str | Path | None, domain: str, overrides: list[str] | None = None) -> GRPOLoopConfig:
-    """The config of a run on `domain`: the file's tables, its `[domain.<domain>]` tables over them, then `overrides`."""
-    data = config.read_file(path) if path else {}
+    """The config of a run on `domain`: the file's tables, its `[domain.<domain>]` tables over them, then `overrides`
+    (which may also change a domain table: `--set domain.calc.optim.lr=2e-4`)."""
+    overrides = overrides or []
+    data = config.apply_overrides(config.read_file(path) if path else {}, overrides)
     tables = data.get("domain", {})
     if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
         raise UserError(f"{path}: [domain] must hold one table per domain, e.g. [domain.calc.optim]")
-    data = config.merge(data, tables.get(domain, {}))
-    return config.build(GRPOLoopConfig, config.apply_overrides(data, overrides or []), where=str(path) if path else "config")
+    data = config.apply_overrides(config.merge(data, tables.get(domain, {})), overrides)
+    return config.build(GRPOLoopConfig, data, where=str(path) if path else "config")

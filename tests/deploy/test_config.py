@@ -87,6 +87,8 @@ def test_grpo_domain_tables_apply_to_their_domain_and_set_wins(tmp_path):
     assert (calc.optim.lr, calc.loop.group_size) == (1e-4, 6)
     assert (arith.optim.lr, arith.loop.group_size) == (5e-5, 4)
     assert load_for_domain(p, "calc", ["optim.lr=2e-5"]).optim.lr == 2e-5  # the command line beats the file
+    assert load_for_domain(p, "calc", ["domain.calc.optim.lr=3e-5"]).optim.lr == 3e-5  # ... and may edit a domain table
+    assert load_for_domain(p, "arith", ["domain.calc.optim.lr=3e-5"]).optim.lr == 5e-5
     assert load_for_domain(p, "calc").optim.warmup_steps == arith.optim.warmup_steps  # untouched keys kept
 
 
