@@ -13,7 +13,7 @@ group commit). CPU per step comes from /proc of every process. If the echo floor
 more CPU per step than one WAL client's step takes on the wall, no log behind this transport can reach the
 target here.
 
-    python -m bench.wal_grpc_floor --json [--wal-wall-us 546]
+    python -m bench.wal_grpc_floor --json [--wal-wall-us 543]
 """
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ ACK = b"\x08\x01\x10\x02" + b"\x00" * 12  # 16 bytes, like an AppendAck
 
 
 def _cpu_s(pid: int) -> float:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -128,9 +129,10 @@ def measure(mode: str, nbytes: int, seconds: float, rounds: int, directory: str)
         server.wait(timeout=30)
     res = {}
     for n, xs in out.items():
-        res[f"clients{n}"] = {k: round(statistics.median(x[k] for x in xs), 1) for k in xs[0]}
-        res[f"clients{n}"]["wall_us_per_step"] = round(1e6 / res[f"clients{n}"]["steps_s"], 1)
-        res[f"clients{n}"]["cpu_us_per_step"] = round(res[f"clients{n}"]["server_cpu_us"] + res[f"clients{n}"]["clients_cpu_us"], 1)
+        m = {k: round(statistics.median(x[k] for x in xs), 1) for k in xs[0]}
+        m["wall_us_per_step"] = round(1e6 / m["steps_s"], 1)
+        m["cpu_us_per_step"] = round(m["server_cpu_us"] + m["clients_cpu_us"], 1)
+        res[f"clients{n}"] = m
     res["ratio_4_vs_1"] = round(res["clients4"]["steps_s"] / res["clients1"]["steps_s"], 3)
     return res
 
