@@ -14,6 +14,7 @@ the median is reported, because this machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -211,18 +212,20 @@ def sqlite_blob(d: Path, b: int, seconds: float) -> float:
 def _client(address: str, k: int, commands, results) -> None:
     """A client process: for each (b, start_at, seconds) command, append+commit B tokens per step in a loop."""
     c = wal.connect(address)
-    while True:
+    for run in itertools.count():
         cmd = commands.get()
         if cmd is None:
             break
         b, start_at, seconds = cmd
         toks, lps = _step_arrays(b)
-        traj = f"client-{k}-b{b}"
-        base = len(c.tokens(traj))
+        # A new trajectory per measurement, written from position 0: no client reads anything back. (Reading
+        # the grown trajectory to find its end, as this did before, took the server's GIL while the
+        # other clients of a 4-client run were already timing: it cost them, never a lone client.)
+        traj = f"client-{k}-b{b}-run{run}"
         steps = [0]
 
         def step(i):
-            c.append(traj, base + i * b, toks, lps, 0)
+            c.append(traj, i * b, toks, lps, 0)
             c.commit()
             steps[0] += 1
 

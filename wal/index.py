@@ -1,6 +1,6 @@
 """In-memory per-trajectory token index (pure; the caller holds the log's mutex).
 
-Each live trajectory keeps its tokens and log-probs packed (two bytearrays, no per-token objects), its
+Each live trajectory keeps its tokens and log-probs packed (in blocks of 64 Ki positions, no per-token objects), its
 policy versions as runs, and the lsns of its records that are not yet durable: reads return the
 durable prefix only, so nothing is exposed before it is committed.
 
@@ -19,15 +19,23 @@ from wal.errors import ConflictError, FinalizedError, GapError
 from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
 
 
-class Trajectory:
-    """Tokens and log-probs packed in two growing bytearrays (amortised O(1) appends, no per-token
-    objects), policy versions as runs, the lsns of records not yet durable, and the id as UTF-8."""
+BLOCK_TOKENS = 1 << 16  # positions per sealed block (256 KiB of ids, 512 KiB of log-probs); a power of two
 
-    __slots__ = ("tok", "lp", "length", "version_runs", "pending", "durable_len", "idb")
+
+class Trajectory:
+    """Tokens and log-probs packed in blocks of BLOCK_TOKENS positions: sealed blocks are never
+    written again, the newest grows. No object per token, and no append ever copies more
+    than one block (one growing bytearray of a million-token trajectory would be re-allocated and
+    copied whole, tens of MB, every ~12% of growth: a commit stalled for milliseconds). Policy versions
+    as runs, the lsns of records not yet durable, and the id as UTF-8."""
+
+    __slots__ = ("tok", "lp", "tok_blocks", "lp_blocks", "length", "version_runs", "pending", "durable_len", "idb")
 
     def __init__(self, idb: bytes = b"") -> None:
-        self.tok = bytearray()  # packed TOKEN_DTYPE
-        self.lp = bytearray()  # packed LOGPROB_DTYPE
+        self.tok = bytearray()  # packed TOKEN_DTYPE of positions len(tok_blocks) * BLOCK_TOKENS ..
+        self.lp = bytearray()  # packed LOGPROB_DTYPE, same positions
+        self.tok_blocks: list[bytearray] = []  # sealed: BLOCK_TOKENS positions each
+        self.lp_blocks: list[bytearray] = []
         self.length = 0
         self.version_runs: list[tuple[int, int]] = []  # (first position, policy version)
         self.pending: deque = deque()  # (lsn, length after that record), not yet durable
@@ -39,14 +47,26 @@ class Trajectory:
             self.version_runs.append((self.length, version))
         self.tok += tokens
         self.lp += logprobs
-        self.length = len(self.tok) // TOKEN_BYTES
+        self.length = len(self.tok_blocks) * BLOCK_TOKENS + len(self.tok) // TOKEN_BYTES
+        if len(self.tok) >= BLOCK_TOKENS * TOKEN_BYTES:
+            self.seal()
+
+    def seal(self) -> None:
+        """Move every full block of the growing arrays into the sealed lists."""
+        tb, lb = BLOCK_TOKENS * TOKEN_BYTES, BLOCK_TOKENS * LOGPROB_BYTES
+        while len(self.tok) >= tb:  # the arrays themselves become the block: only an overflow is copied
+            tok_over, lp_over = self.tok[tb:], self.lp[lb:]
+            del self.tok[tb:], self.lp[lb:]
+            self.tok_blocks.append(self.tok)
+            self.lp_blocks.append(self.lp)
+            self.tok, self.lp = tok_over, lp_over
 
     def packed(self, lo: int, hi: int) -> tuple[bytes, bytes]:
         """Positions lo..hi-1 as (packed tokens, packed log-probs)."""
         if lo >= hi:
             return b"", b""
-        with memoryview(self.tok) as t, memoryview(self.lp) as lp:  # released at once: the arrays may grow later
-            return bytes(t[lo * TOKEN_BYTES:hi * TOKEN_BYTES]), bytes(lp[lo * LOGPROB_BYTES:hi * LOGPROB_BYTES])
+        return (_gather(self.tok_blocks, self.tok, lo, hi, TOKEN_BYTES),
+                _gather(self.lp_blocks, self.lp, lo, hi, LOGPROB_BYTES))
 
     def settle(self, durable_lsn: int) -> int:
         while self.pending and self.pending[0][0] <= durable_lsn:
@@ -110,6 +130,8 @@ class TokenIndex:
             t.tok += tokens[i * TOKEN_BYTES:(i + 1) * TOKEN_BYTES]
             t.lp += logprobs[i * LOGPROB_BYTES:(i + 1) * LOGPROB_BYTES]
             t.length += 1
+            if not t.length & _BLOCK_MASK:
+                t.seal()
             t.pending.append((lsn, t.length))
 
     def finalize(self, traj_id: str) -> bool:
@@ -127,6 +149,23 @@ class TokenIndex:
         if traj is None:
             return None, 0
         return traj, traj.settle(durable_lsn)
+
+
+_BLOCK_MASK = BLOCK_TOKENS - 1
+
+
+def _gather(blocks: list[bytearray], tail: bytearray, lo: int, hi: int, width: int) -> bytes:
+    """Bytes of positions lo..hi-1 from sealed `blocks` and the growing `tail` (`width` bytes each)."""
+    parts = []
+    b = lo // BLOCK_TOKENS
+    while lo < hi:
+        first = b * BLOCK_TOKENS
+        src = blocks[b] if b < len(blocks) else tail
+        end = min(hi, first + BLOCK_TOKENS)
+        with memoryview(src) as m:  # released at once: the tail may grow later
+            parts.append(bytes(m[(lo - first) * width:(end - first) * width]))
+        lo, b = end, b + 1
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _check_repeat(traj_id, traj, start, overlap, tokens, logprobs, version) -> None:

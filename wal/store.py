@@ -42,8 +42,14 @@ class Store:
             self.log.close()
             raise
         self.mutex = self.log.mutex
+        # Whether a finalize or release since the last retention pass may have made records dead: a roll
+        # with nothing dead (and the sealed bytes within retain_bytes) then costs no segment read. After
+        # replay with nothing remembered as finalized or released, every record on disk is live (a dead
+        # record's finalize or release record is reclaimed only after it).
+        self._maybe_dead = bool(self.tokens.finalized or self.env.released)
         self.reclaimed_segments = 0
         self.copied_records = 0
+        self.scanned_segments = 0  # sealed segments read by retention passes
         self._reclaim_lock = threading.Lock()
         self._reclaimer = threading.Thread(target=self._reclaim_loop, name=f"wal-reclaim:{path}", daemon=True)
         self._reclaimer.start()
@@ -204,6 +210,7 @@ class Store:
             if traj_id not in self.tokens.finalized:
                 self.log.append_locked(lambda lsn: codec.encode_finalize(lsn, traj_id))
                 self.tokens.finalize(traj_id)
+                self._maybe_dead = True
         return self.log.commit()
 
     def env_invoke(self, sandbox_id: str, seq: int, request: bytes) -> int:
@@ -231,6 +238,7 @@ class Store:
             if sandbox_id not in self.env.released:
                 self.log.append_locked(lambda lsn: codec.encode_env_release(lsn, sandbox_id))
                 self.env.release(sandbox_id)
+                self._maybe_dead = True
         return self.log.commit()
 
     def commit(self) -> int:
@@ -249,7 +257,9 @@ class Store:
     def reclaim(self, lookahead: int = 16) -> int:
         """Delete or compact old segments now; returns how many segments were removed.
 
-        Only a prefix of the log can go. The shortest prefix (up to `lookahead` segments) whose live
+        A pass reads segments only when a finalize or release happened since the last one (or the sealed
+        bytes exceed `retain_bytes`): records are live when appended and die only through those. Only
+        a prefix of the log can go. The shortest prefix (up to `lookahead` segments) whose live
         fraction is at most `compact_live_fraction` is compacted: its live records are copied to the
         head and committed, then its files deleted. A mostly-live oldest segment (where earlier copies
         landed) therefore does not pin the dead segments behind it.
@@ -258,6 +268,9 @@ class Store:
         with self._reclaim_lock:
             with self.mutex:
                 todo = self.log.sealed_segments()
+                if not self._maybe_dead and sum(p.stat().st_size for _, p in todo) <= self.config.retain_bytes:
+                    return 0  # every sealed record was live at the last pass, and none died since
+                self._maybe_dead = False
             i = 0
             while i < len(todo):
                 live_bytes = total = 0
@@ -280,6 +293,7 @@ class Store:
         return removed
 
     def _segment_records(self, base: int, path: Path) -> list[Record]:
+        self.scanned_segments += 1
         buf = path.read_bytes()
         recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
         end = sum(_frame_bytes(r) for r in recs) + codec.SEGMENT_HEAD_BYTES
@@ -336,6 +350,7 @@ class Store:
                 "bytes_written": self.log.bytes_written,
                 "reclaimed_segments": self.reclaimed_segments,
                 "copied_records": self.copied_records,
+                "scanned_segments": self.scanned_segments,
                 "recovery": {"torn_bytes_cut": self.log.report.torn_bytes_cut, "torn_files": self.log.report.torn_files,
                              "repaired": self.log.report.repaired},
             }

@@ -149,6 +149,29 @@ def test_background_reclaim_runs_after_segment_roll(tmp_path):
     w.close()
 
 
+def test_reclaim_reads_no_segment_until_a_finalize_could_have_freed_one(tmp_path):
+    """A roll over live records only (nothing finalized since the last pass) reads no segment: the
+    pass would find nothing to free and compete with the committers for the GIL; a finalize re-arms it."""
+    w = wal.open(tmp_path, wal.WALConfig(segment_bytes=4096))
+    w.reclaim()  # the pass after open (its finalized set came from replay)
+    for i in range(60):
+        w.append("live", 10 * i, list(range(10)), [-0.5] * 10, 0)
+        w.append(f"s{i}", 0, list(range(10)), [-0.5] * 10, 0)
+        w.commit()
+    assert w.stats()["segments"] > 3
+    before = w.stats()["scanned_segments"]
+    assert w.reclaim() == 0 and w.stats()["scanned_segments"] == before
+    for i in range(60):
+        w.finalize(f"s{i}")
+    w.reclaim()
+    stats = w.stats()
+    assert stats["scanned_segments"] > before and stats["reclaimed_segments"] > 0
+    w.close()
+    w = wal.open(tmp_path)
+    assert w.trajectories() == ["live"] and w.tokens("live") == list(range(10)) * 60
+    w.close()
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "deploy.cli", "wal", *args], capture_output=True, text=True, timeout=120)
 
@@ -287,6 +310,7 @@ def test_index_packs_one_token_appends_and_reads_any_range(tmp_path):
     w.commit()
     traj = w._store.tokens.trajs["t"]
     assert type(traj.tok) is bytearray and len(traj.tok) == 4 * n and len(traj.lp) == 8 * n  # no object per token
+    assert traj.tok_blocks == [] and traj.lp_blocks == []  # under one block: nothing sealed yet
     assert len(traj.version_runs) == n // 50 + 1
     for lo, hi in [(0, n), (3, 70), (63, 65), (n - 1, n), (10, 10)]:
         tok, lp, versions, length = w.read_packed("t", lo, hi)
@@ -338,4 +362,40 @@ def test_append_packed_equals_append_and_checks_what_pack_checks(tmp_path):
     with pytest.raises(wal.ConflictError):
         w.append_packed("b", 1, np.asarray([7], "<i4").tobytes(), np.asarray([-1e-9]).tobytes(), 3)
     assert "c" not in w.trajectories()
+    w.close()
+
+
+def test_index_blocks_cross_boundaries_for_bulk_and_step_appends(tmp_path):
+    """Positions past BLOCK_TOKENS go to sealed blocks (no append copies more than one block); reads,
+    exact repeats and conflicts work across block edges, for bulk appends and one-token steps."""
+    from wal.errors import ConflictError
+    from wal.index import BLOCK_TOKENS
+
+    w = wal.open(tmp_path)
+    n_bulk = 2 * BLOCK_TOKENS + 123  # one append spanning three blocks
+    ids = np.arange(n_bulk, dtype=np.int32)
+    w.append("bulk", 0, ids, -ids / 7.0, 1)
+    first = BLOCK_TOKENS - 3  # one-token steps over a block edge
+    w.append("step", 0, np.arange(first, dtype=np.int32), np.zeros(first), 0)
+    for p in range(first, BLOCK_TOKENS + 5):
+        w.append_step(["step"], [p], [p], [-1.0], 2)
+    w.commit()
+    bulk, step = w._store.tokens.trajs["bulk"], w._store.tokens.trajs["step"]
+    assert len(bulk.tok_blocks) == 2 and len(bulk.tok) == 4 * 123 and len(bulk.lp_blocks[1]) == 8 * BLOCK_TOKENS
+    assert len(step.tok_blocks) == 1 and len(step.tok) == 4 * 5
+    for lo, hi in [(0, n_bulk), (BLOCK_TOKENS - 1, BLOCK_TOKENS + 1), (5, 2 * BLOCK_TOKENS + 7), (n_bulk - 2, n_bulk)]:
+        tok, lp, versions, _ = w.read_packed("bulk", lo, hi)
+        assert np.array_equal(np.frombuffer(tok, "<i4"), ids[lo:hi]) and versions == [1] * (hi - lo)
+        assert np.array_equal(np.frombuffer(lp, "<f8"), -ids[lo:hi] / 7.0)
+    got = w.tokens("step")
+    assert got == list(range(BLOCK_TOKENS + 5))
+    assert w.logprobs("step")[first - 1:first + 1] == [0.0, -1.0]
+    w.append("bulk", BLOCK_TOKENS - 2, ids[BLOCK_TOKENS - 2:BLOCK_TOKENS + 2], -ids[BLOCK_TOKENS - 2:BLOCK_TOKENS + 2] / 7.0, 1)
+    bad = ids[BLOCK_TOKENS - 2:BLOCK_TOKENS + 2].copy()
+    bad[3] += 1  # a rewrite just past the edge
+    with pytest.raises(ConflictError, match=f"position {BLOCK_TOKENS + 1}"):
+        w.append("bulk", BLOCK_TOKENS - 2, bad, -ids[BLOCK_TOKENS - 2:BLOCK_TOKENS + 2] / 7.0, 1)
+    w.close()
+    w = wal.open(tmp_path)  # replayed from the log into the same blocks
+    assert w.tokens("bulk") == ids.tolist() and w.tokens("step") == got
     w.close()
