@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 from dataclasses import dataclass, field
 
 import google_crc32c
@@ -55,12 +56,27 @@ class Seq:
 
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Architecture + every parameter's bytes, hashed: a KV snapshot is valid only for these weights."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    h = hashlib.sha256(_architecture(model).encode())
     for name, p in model.state_dict().items():
         t = p.detach().contiguous().cpu()
         crc = google_crc32c.value(t.view(torch.uint8).numpy().tobytes()) if t.numel() else 0
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype}:{crc};".encode())
     return h.hexdigest()[:32]
+
+
+def _architecture(model) -> str:
+    """What the forward depends on besides the weights. For a model LeanForward covers, the same string
+    whether it was loaded as its HF class or as a LiteCausalLM (a snapshot stays valid across the two);
+    any other model: its whole HF config."""
+    if LeanForward.supports(model) is not None:
+        return model.config.to_json_string(use_diff=False)
+    c = model.config
+    inv_freq = model.model.rotary_emb.inv_freq.detach().to("cpu", torch.float32).contiguous()
+    return json.dumps({"model_type": c.model_type, "hidden_size": c.hidden_size, "layers": c.num_hidden_layers,
+                       "heads": c.num_attention_heads, "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                       "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                       "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
+                       "inv_freq_crc": google_crc32c.value(inv_freq.numpy().tobytes())}, sort_keys=True)
 
 
 def decode_points(sampled: list[bool], start: int, end: int) -> list[int]:
@@ -279,10 +295,18 @@ class Engine:
 
     def _prefill_fresh(self, slots: list[int], ids_NT: torch.Tensor) -> None:
         """Prefill rows with no past (equal lengths) with plain causal attention, then move their K/V into `slots`."""
+        N, T = ids_NT.shape
+        if getattr(self.model, "lean_only", False):  # no HF forward to run: the lean one, row by row, causal
+            pos = torch.arange(T, device=self.device)
+            mask = (pos[None, :] <= pos[:, None])[None, None]
+            for r, slot in enumerate(slots):
+                self.kv.bind(slot, slot + 1, None, 0, T, T)
+                self._run(ids_NT[r:r + 1], pos[None], mask)
+            self.stats["block_tokens"] += N * T
+            return
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        N, T = ids_NT.shape
         pos = torch.arange(T, device=self.device)[None].expand(N, T)
         self.stats["forwards"] += 1
         self.model(input_ids=ids_NT, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})

@@ -68,13 +68,28 @@ def _open_wal(spec: WorkerSpec):
             time.sleep(0.1)
 
 
+def load_for_engine(checkpoint: str, dtype: torch.dtype, device: str):
+    """Model and tokenizer for an engine on `device`: on a CPU, a checkpoint LeanForward covers is loaded
+    without transformers' model classes (`rollout/lite_model.py`: ~2 CPU-s less per worker start);
+    anything else as its HF class."""
+    from learner.tokenizer import load_tokenizer
+
+    if torch.device(device).type == "cpu":
+        from rollout.lite_model import load_lite
+
+        model = load_lite(checkpoint, dtype)
+        if model is not None:
+            return model, load_tokenizer(checkpoint)
+    from learner.policy import load_policy
+
+    return load_policy(checkpoint, dtype=dtype)
+
+
 class RolloutWorker:
     def __init__(self, spec: WorkerSpec, weights: dict | None = None, policy_version: int = 0):
-        from learner.policy import load_policy
-
         torch.set_num_threads(spec.threads)
         self.spec = spec
-        model, tok = load_policy(spec.checkpoint, dtype=DTYPES[spec.engine.dtype])
+        model, tok = load_for_engine(spec.checkpoint, DTYPES[spec.engine.dtype], spec.engine.device)
         if weights is not None:
             model.load_state_dict(weights, strict=True)
         e = spec.engine
@@ -269,7 +284,9 @@ try:
         def __init__(self, spec: WorkerSpec | None = None, weights=None, policy_version: int = 0):
             self.w = None
             if spec is None:  # a warm spare: process up and imports done; `start` gives it a slot later
-                import learner.policy  # noqa: F401  (transformers, the slow import)
+                import learner.tokenizer  # noqa: F401  (transformers' tokenizers: the slow import left)
+                import rollout.lite_model  # noqa: F401
+                from transformers import AutoTokenizer  # noqa: F401
             else:
                 self.w = RolloutWorker(spec, weights, policy_version)
 
