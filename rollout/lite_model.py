@@ -8,6 +8,9 @@ parameters. This module builds the same parameter tree (HF names, so `state_dict
 `load_state_dict` of the learner's weights work unchanged) from `config.json` and the safetensors
 files, for exactly the configurations `LeanForward` covers; anything else returns None and the caller
 loads the HF class. The rotary `inv_freq` is computed as transformers' default rope computes it.
+`load_lite_tokenizer` does the same for a tokenizer saved as a plain `tokenizers` backend (what
+`postrain sft` writes): the `tokenizers` library alone, for the `encode` / `decode` the rollout path
+calls, so a worker process never imports transformers.
 """
 from __future__ import annotations
 
@@ -141,3 +144,47 @@ def load_lite(path: str | Path, dtype: torch.dtype = torch.float32) -> LiteCausa
     if model.config.tie_word_embeddings:  # assign=True replaced the embedding: tie again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
+
+
+_PLAIN_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+_CHANGES_ENCODING = ("add_bos_token", "add_eos_token", "add_prefix_space", "clean_up_tokenization_spaces")
+
+
+class LiteTokenizer:
+    """`encode(text) -> ids` and `decode(ids, skip_special_tokens=False) -> text` of a `tokenizers`
+    Tokenizer, as transformers' fast tokenizer computes them for a plain backend (its post-processor
+    adds what the saved template says; no clean-up of spaces)."""
+
+    def __init__(self, tokenizer, config: dict):
+        self._tk = tokenizer
+        self.eos_token_id = self._id(config.get("eos_token"))
+        self.pad_token_id = self._id(config.get("pad_token"))
+
+    def _id(self, token) -> int | None:
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self._tk.token_to_id(token) if token else None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tk.encode(text).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self._tk.get_vocab_size(with_added_tokens=True)
+
+
+def load_lite_tokenizer(path: str | Path) -> LiteTokenizer | None:
+    """The tokenizer at `path` through `tokenizers` alone, or None where transformers would change what
+    it encodes or decodes (a model-specific class, BOS/EOS insertion, space clean-up)."""
+    path = Path(path)
+    cfg_path, tk_path = path / "tokenizer_config.json", path / "tokenizer.json"
+    if not (cfg_path.is_file() and tk_path.is_file()):
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("tokenizer_class") not in _PLAIN_TOKENIZERS or any(cfg.get(k) for k in _CHANGES_ENCODING):
+        return None
+    from tokenizers import Tokenizer
+
+    return LiteTokenizer(Tokenizer.from_file(str(tk_path)), cfg)

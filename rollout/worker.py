@@ -70,16 +70,19 @@ def _open_wal(spec: WorkerSpec):
 
 def load_for_engine(checkpoint: str, dtype: torch.dtype, device: str):
     """Model and tokenizer for an engine on `device`: on a CPU, a checkpoint LeanForward covers is loaded
-    without transformers' model classes (`rollout/lite_model.py`: ~2 CPU-s less per worker start);
-    anything else as its HF class."""
-    from learner.tokenizer import load_tokenizer
-
+    without transformers (`rollout/lite_model.py`: a worker starts on ~2 CPU-s of imports instead of
+    ~4.5); anything else as its HF class."""
     if torch.device(device).type == "cpu":
-        from rollout.lite_model import load_lite
+        from rollout.lite_model import load_lite, load_lite_tokenizer
 
         model = load_lite(checkpoint, dtype)
         if model is not None:
-            return model, load_tokenizer(checkpoint)
+            tok = load_lite_tokenizer(checkpoint)
+            if tok is None:
+                from learner.tokenizer import load_tokenizer
+
+                tok = load_tokenizer(checkpoint)
+            return model, tok
     from learner.policy import load_policy
 
     return load_policy(checkpoint, dtype=dtype)
@@ -284,9 +287,8 @@ try:
         def __init__(self, spec: WorkerSpec | None = None, weights=None, policy_version: int = 0):
             self.w = None
             if spec is None:  # a warm spare: process up and imports done; `start` gives it a slot later
-                import learner.tokenizer  # noqa: F401  (transformers' tokenizers: the slow import left)
-                import rollout.lite_model  # noqa: F401
-                from transformers import AutoTokenizer  # noqa: F401
+                import rollout.lite_model  # noqa: F401  (what `start` loads a CPU checkpoint with)
+                import tokenizers  # noqa: F401
             else:
                 self.w = RolloutWorker(spec, weights, policy_version)
 

@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from learner.policy import load_policy
 from rollout.engine import Engine, model_fingerprint
-from rollout.lite_model import LiteCausalLM, load_lite
+from learner.tokenizer import load_tokenizer
+from rollout.lite_model import LiteCausalLM, LiteTokenizer, load_lite, load_lite_tokenizer
 from rollout.sampling import SamplingParams
 from rollout.worker import load_for_engine
 
@@ -111,13 +112,34 @@ def test_a_damaged_checkpoint_is_refused_clearly(tmp_path, tiny_ckpt):
         load_lite(tmp_path)
 
 
-def test_a_worker_process_never_imports_transformers_model_code(tiny_ckpt):
-    """What the replacement of a killed worker costs: its imports. The lite path keeps transformers'
-    modeling (and the torch._dynamo / sympy it drags in) out of the process."""
+def test_a_worker_process_never_imports_transformers(tiny_ckpt):
+    """What the replacement of a killed worker costs: its imports. The lite path keeps transformers
+    (and the torch._dynamo / sympy its model code drags in) out of the process."""
     code = ("import sys, torch; from rollout.worker import load_for_engine; "
             f"m, t = load_for_engine({str(tiny_ckpt)!r}, torch.float32, 'cpu'); "
-            "bad = [n for n in ('transformers.modeling_utils', 'torch._dynamo', 'sympy') if n in sys.modules]; "
+            "bad = [n for n in ('transformers', 'torch._dynamo', 'sympy') if n in sys.modules]; "
             "print(type(m).__name__, bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["LiteCausalLM", "[]"], out.stdout
+
+
+def test_lite_tokenizer_encodes_and_decodes_as_the_hf_one(tiny_ckpt):
+    lite, hf = load_lite_tokenizer(tiny_ckpt), load_tokenizer(tiny_ckpt)
+    assert isinstance(lite, LiteTokenizer) and (lite.eos_token_id, lite.pad_token_id) == (hf.eos_token_id, hf.pad_token_id)
+    texts = ["12*34=<tool>calc 12*34</tool>", "", "  two  spaces\nnew line\t", "héllo ✓ unknown", "<eos>x<pad>", "<result>408</result>"]
+    for t in texts:
+        assert lite.encode(t) == hf.encode(t), t
+    ids = hf.encode("abc") + [hf.eos_token_id, hf.pad_token_id] + hf.encode(" z?") + [2]
+    for skip in (False, True):
+        assert lite.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+    assert lite.decode(ids) == hf.decode(ids)
+
+
+def test_tokenizers_transformers_would_change_are_left_to_it(tmp_path, tiny_ckpt):
+    for f in tiny_ckpt.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    for change in ({"add_bos_token": True}, {"clean_up_tokenization_spaces": True}, {"tokenizer_class": "Qwen2Tokenizer"}):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, **change}))
+        assert load_lite_tokenizer(tmp_path) is None, change
