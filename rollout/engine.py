@@ -64,6 +64,12 @@ def model_fingerprint(model: torch.nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
+def _kv_geometry(cfg) -> tuple[int, int]:
+    """(key/value heads, head dim) of a decoder config, with the HF defaults for absent fields."""
+    return (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def _architecture(model) -> str:
     """What the forward depends on besides the weights. For a model LeanForward covers, the same string
     whether it was loaded as its HF class or as a LiteCausalLM (a snapshot stays valid across the two);
@@ -71,10 +77,10 @@ def _architecture(model) -> str:
     if LeanForward.supports(model) is not None:
         return model.config.to_json_string(use_diff=False)
     c = model.config
+    kv_heads, head_dim = _kv_geometry(c)
     inv_freq = model.model.rotary_emb.inv_freq.detach().to("cpu", torch.float32).contiguous()
     return json.dumps({"model_type": c.model_type, "hidden_size": c.hidden_size, "layers": c.num_hidden_layers,
-                       "heads": c.num_attention_heads, "kv_heads": getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                       "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                       "heads": c.num_attention_heads, "kv_heads": kv_heads, "head_dim": head_dim,
                        "intermediate_size": c.intermediate_size, "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_norm_eps,
                        "inv_freq_crc": google_crc32c.value(inv_freq.numpy().tobytes())}, sort_keys=True)
 
@@ -95,8 +101,7 @@ class Engine:
         self.device, self.dtype = (torch.device(device) if device else p.device), p.dtype
         self.model.to(self.device)
         cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        kv_heads, head_dim = _kv_geometry(cfg)
         self.max_len = int(max_len or cfg.max_position_embeddings)
         self.kv = SlotKV(cfg.num_hidden_layers, max_batch, kv_heads, self.max_len, head_dim, self.dtype, self.device)
         self.eos = {cfg.eos_token_id} if isinstance(cfg.eos_token_id, int) else set(cfg.eos_token_id or [])

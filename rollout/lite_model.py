@@ -34,7 +34,6 @@ class LiteConfig:
     """The fields of config.json as attributes (HF defaults for the ones it omits)."""
 
     def __init__(self, raw: dict):
-        self._raw = dict(raw)
         for k, v in {**_DEFAULTS, **raw}.items():
             setattr(self, k, v)
         rope = raw.get("rope_parameters") or {}
@@ -43,9 +42,6 @@ class LiteConfig:
             self.rope_scaling = rope
         self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
         self.attention_bias = raw.get("attention_bias", _BIAS_DEFAULT.get(raw.get("model_type"), False))
-
-    def to_json_string(self, use_diff: bool = False) -> str:
-        return json.dumps(self._raw, sort_keys=True)
 
 
 class _Linear(nn.Module):
