@@ -262,13 +262,21 @@ class ClientPool:
                 dead = [k for k, p in enumerate(self.procs[:n]) if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     raise RuntimeError(f"gRPC benchmark clients {dead or 'all'} died or hung") from None
-        return sum(steps for _, steps, _ in got) * b / max(dt for _, _, dt in got)
+        self.last_steps = sum(steps for _, steps, _ in got)
+        return self.last_steps * b / max(dt for _, _, dt in got)
 
     def close(self) -> None:
         for q in self.commands:
             q.put(None)
         for p in self.procs:
             p.join(timeout=60)
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all threads (from /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def start_server(directory: Path) -> tuple[subprocess.Popen, str]:
@@ -382,13 +390,17 @@ def main(argv: list[str] | None = None) -> int:
             g = {}
             for b in bs:
                 runs = {1: [], 4: []}
+                cpu = {1: [], 4: []}  # the service process's CPU (all its threads) per durable step
                 for r in range(args.rounds):
                     for n in ((1, 4) if r % 2 == 0 else (4, 1)):
+                        c0 = _cpu_s(proc.pid)
                         runs[n].append(pool.run(n, b, args.seconds))
+                        cpu[n].append((_cpu_s(proc.pid) - c0) / max(pool.last_steps, 1) * 1e6)
                 for n, xs in runs.items():
                     tps = statistics.median(xs)
                     g[f"b{b}_clients{n}"] = {"tokens_s": round(tps, 1), "steps_s": round(tps / b, 1),
-                                             "tokens_s_runs": [round(x, 1) for x in xs]}
+                                             "tokens_s_runs": [round(x, 1) for x in xs],
+                                             "server_cpu_us_per_step": round(statistics.median(cpu[n]), 1)}
                 g[f"b{b}_paired_ratio_4_vs_1"] = round(statistics.median(f / o for f, o in zip(runs[4], runs[1])), 3)
                 say(f"gRPC B={b}: 1 client {g[f'b{b}_clients1']['steps_s']:.0f} steps/s, "
                     f"4 clients {g[f'b{b}_clients4']['steps_s']:.0f} steps/s aggregate")
@@ -414,6 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         "recovery_scan_mb_s": {"value": scan, "goal": ">= 500", "met": scan >= 500},
     }
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
+    result["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)  # the machine is shared: context for the figures
     text = json.dumps(result, indent=2)
     if args.out:

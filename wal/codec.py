@@ -63,6 +63,7 @@ crc32c = google_crc32c.value
 _I32_MAX = (1 << 31) - 1
 _SMALL = 64  # lists up to this length are packed with the array module
 _LITTLE = sys.byteorder == "little"
+_TOKEN_NP = np.dtype(TOKEN_DTYPE)
 
 
 class CodecError(ValueError):
@@ -85,14 +86,17 @@ def _frame(body: bytes) -> bytes:
 
 
 def encode_tokens(lsn: int, traj_id: str, start: int, policy_version: int, tokens: bytes, logprobs: bytes) -> bytes:
+    return encode_tokens_id(lsn, _id_bytes(traj_id, "traj_id"), start, policy_version, tokens, logprobs)
+
+
+def encode_tokens_id(lsn: int, tid: bytes, start: int, policy_version: int, tokens: bytes, logprobs: bytes) -> bytes:
+    """encode_tokens with the trajectory id already checked and encoded (UTF-8)."""
     n = len(tokens) // TOKEN_BYTES
     if len(tokens) != n * TOKEN_BYTES or len(logprobs) != n * LOGPROB_BYTES:
         raise CodecError(f"packed tokens ({len(tokens)} B) and logprobs ({len(logprobs)} B) do not describe the same count")
     if start < 0 or policy_version < 0:
         raise CodecError(f"start ({start}) and policy_version ({policy_version}) must be >= 0")
-    tid = _id_bytes(traj_id, "traj_id")
-    body = b"".join((BODY.pack(lsn, TOKENS), TOKENS_HEAD.pack(start, policy_version, n, len(tid)), tid, tokens, logprobs))
-    return _frame(body)
+    return _frame(b"".join((BODY.pack(lsn, TOKENS), TOKENS_HEAD.pack(start, policy_version, n, len(tid)), tid, tokens, logprobs)))
 
 
 def encode_step_record(lsn: int, ids: list[bytes], starts: bytes, policy_version: int, tokens: bytes,
@@ -365,12 +369,14 @@ def pack_tokens(tokens) -> bytes:
         return b""
     if arr.dtype.kind not in "iu":
         raise CodecError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.dtype == _TOKEN_NP:  # int32 LE: only negatives are out of range
+        if arr.min() < 0:
+            raise CodecError(f"token ids must lie in 0..{_I32_MAX}, got {int(arr.min())}..{int(arr.max())}")
+        return arr.tobytes()
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi > _I32_MAX:
         raise CodecError(f"token ids must lie in 0..{_I32_MAX}, got {lo}..{hi}")
-    if arr.dtype != np.dtype(TOKEN_DTYPE):
-        arr = arr.astype(TOKEN_DTYPE)
-    return arr.tobytes()
+    return arr.astype(TOKEN_DTYPE).tobytes()
 
 
 def pack_logprobs(logprobs, n: int) -> bytes:

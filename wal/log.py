@@ -11,8 +11,14 @@ Commit I/O: one `pwrite` of the joined batch at the write position, then `fdatas
 is zero-filled ahead of the write position (`preallocate_bytes` at a time, fsynced once), so a commit
 overwrites existing blocks and changes no metadata that fdatasync would have to journal. When the batch
 runs past the preallocated end, the next extent is zero-filled in the same flush and a full `fsync`
-makes the new size durable too. A segment that reaches the cap is truncated to its last record and
-fsynced (sealed) before the next one is created (preallocated, see segments.py).
+makes the new size durable too. A segment that reaches the cap is sealed and the next one created
+(preallocated, see segments.py).
+
+Spare segments (`spare_segments`, on by default): once a segment has grown past its first extent, a
+helper thread zero-fills the next segment file whole (`segment_bytes`) off the commit path. A flush
+whose batch would run past the reserve then rolls into the ready spare instead of growing the file
+(header + fdatasync + rename: no zero-fill inline), and so does a roll at the cap; the sealed segment's
+unused reserve is cut by the helper afterwards. Without a spare ready, commits grow the file as above.
 
 A failed write or fsync poisons the log (after a failed fsync the kernel may have dropped the dirty
 pages, so the durable state is unknown): every later call raises LogClosedError; reopen to recover.
@@ -20,6 +26,7 @@ pages, so the durable state is unknown): every later call raises LogClosedError;
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import threading
 from pathlib import Path
@@ -33,7 +40,8 @@ from wal.types import Record
 
 class Log:
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
-                 repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20):
+                 repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20,
+                 spare_segments: bool = True):
         self.directory = Path(directory)
         if not self.directory.exists():
             self.directory.mkdir(parents=True)
@@ -71,10 +79,24 @@ class Log:
         self._next_lsn = self.report.next_lsn
         self._durable_lsn = self._next_lsn - 1
         self._flushing = False
+        self._waiters = 0  # threads waiting in commit() for a flush led by another
         self._error: BaseException | None = None
         self._closed = False
         self.fsyncs = 0
         self.bytes_written = 0
+        self.spares_used = 0
+        self._active_path = self._segments[-1][1]
+        # the spare segment and the sealed segments still to trim, handed over under _spare_lock
+        self._spare_lock = threading.Lock()
+        self._spare: tuple[int, int] | None = None  # (fd, size) of a ready spare
+        self._spare_wanted = False
+        self._trims: list[tuple[Path, int]] = []
+        self._helper_stop = False
+        self._helper_wake = threading.Event()
+        self._helper = None
+        if spare_segments and preallocate_bytes > 0:
+            self._helper = threading.Thread(target=self._helper_loop, name=f"wal-spare:{self.directory}", daemon=True)
+            self._helper.start()
 
     # --- appending (caller holds `mutex`) ---
     def append_locked(self, encode: Callable[[int], bytes]) -> int:
@@ -113,20 +135,31 @@ class Log:
             while self._durable_lsn < target:
                 self.check_open()
                 if self._flushing:
-                    self._cv.wait()
+                    self._wait_flush()
                     continue
                 self._lead_flush()
             return self._durable_lsn
+
+    def _wait_flush(self) -> None:
+        """Wait (mutex held) for the running flush to end; counted, so a flush with no waiters notifies nobody."""
+        self._waiters += 1
+        try:
+            self._cv.wait()
+        finally:
+            self._waiters -= 1
 
     def _lead_flush(self) -> None:
         # called with the mutex held; releases it for the write and fsync
         self._flushing = True
         frames, self._batch, self._batch_bytes = self._batch, [], 0
         last = self._next_lsn - 1
-        rolled = None
+        first = last - len(frames) + 1
+        rolled: list[tuple[int, Path]] = []
         self._cv.release()
         try:
             data = b"".join(frames)
+            if self._pos + len(data) > self._alloc and self._pos > codec.SEGMENT_HEAD_BYTES and self._spare is not None:
+                rolled.append(self._roll(first))  # the reserve ran out and the next segment is ready: start it
             end = self._pos + len(data)
             segments.pwrite_all(self._fd, data, self._pos)
             if end <= self._alloc:
@@ -136,15 +169,10 @@ class Log:
                 segments.zero_fill(self._fd, end, alloc)
                 os.fsync(self._fd)
                 self._alloc = alloc
+                self._want_spare()
             self._pos = end
             if end >= self.segment_bytes:
-                rolled = last + 1
-                if self._alloc > end:  # seal: drop the unused reserve, durably, before the next segment exists
-                    os.ftruncate(self._fd, end)
-                    os.fsync(self._fd)
-                new_fd = segments.create_segment(self.directory, rolled, self._first_extent())
-                os.close(self._fd)
-                self._fd, self._pos, self._alloc = new_fd, codec.SEGMENT_HEAD_BYTES, os.fstat(new_fd).st_size
+                rolled.append(self._roll(last + 1))
         except BaseException as exc:
             self._cv.acquire()
             self._flushing = False
@@ -154,13 +182,77 @@ class Log:
         self._cv.acquire()
         self.fsyncs += 1
         self.bytes_written += len(data)
-        if rolled is not None:
-            self._segments.append((rolled, self.directory / segments.segment_name(rolled)))
+        self._segments.extend(rolled)
         self._durable_lsn = last
         self._flushing = False
-        self._cv.notify_all()
-        if rolled is not None and self._on_roll is not None:
+        if self._waiters:  # a lone writer wakes nobody
+            self._cv.notify_all()
+        if rolled and self._on_roll is not None:
             self._on_roll()
+
+    def _roll(self, base: int) -> tuple[int, Path]:
+        """Seal the active segment at the write position and start the segment `base` (the leader, mutex
+        released): the ready spare when there is one, else a new file built inline."""
+        old_fd, old_end, old_alloc, old_path = self._fd, self._pos, self._alloc, self._active_path
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is None:
+            if old_alloc > old_end:  # drop the unused reserve, durably, before the next segment exists
+                os.ftruncate(old_fd, old_end)
+                os.fsync(old_fd)
+            fd = segments.create_segment(self.directory, base, self._first_extent())
+            alloc = os.fstat(fd).st_size
+        else:
+            fd, alloc = spare
+            try:
+                segments.activate_spare(self.directory, fd, base)
+            except BaseException:
+                os.close(fd)
+                raise
+            self.spares_used += 1
+            with self._spare_lock:
+                if old_alloc > old_end:
+                    self._trims.append((old_path, old_end))
+            self._helper_wake.set()  # trim the sealed segment, build the next spare
+        os.close(old_fd)
+        self._fd, self._pos, self._alloc = fd, codec.SEGMENT_HEAD_BYTES, alloc
+        self._active_path = self.directory / segments.segment_name(base)
+        return base, self._active_path
+
+    # --- the helper thread: spare segments and trims, off the commit path ---
+    def _want_spare(self) -> None:
+        if self._helper is not None and not self._spare_wanted:
+            self._spare_wanted = True
+            self._helper_wake.set()
+
+    def _helper_loop(self) -> None:
+        while True:
+            self._helper_wake.wait()
+            self._helper_wake.clear()
+            with self._spare_lock:
+                trims, self._trims = self._trims, []
+                build = self._spare_wanted and self._spare is None and not self._helper_stop
+            for path, size in trims:
+                try:
+                    segments.trim(path, size)
+                except OSError as exc:  # recovery trims it on the next open
+                    logging.getLogger("wal").warning("could not trim sealed segment %s: %s", path, exc)
+            if build:
+                try:
+                    fd = segments.build_spare(self.directory, self.segment_bytes)
+                except OSError as exc:  # commits grow the segment inline instead
+                    logging.getLogger("wal").warning("could not prepare a spare segment in %s: %s", self.directory, exc)
+                    with self._spare_lock:
+                        self._spare_wanted = False
+                    continue
+                with self._spare_lock:
+                    if not self._helper_stop:
+                        self._spare, fd = (fd, self.segment_bytes), None
+                if fd is not None:
+                    _drop_spare(self.directory, fd)
+            with self._spare_lock:
+                if self._helper_stop and not self._trims:
+                    return
 
     def _first_extent(self) -> int:
         """Size of a new segment file: header plus the first preallocated extent, within the cap."""
@@ -202,10 +294,32 @@ class Log:
         finally:
             with self._cv:
                 while self._flushing:
-                    self._cv.wait()
+                    self._wait_flush()
                 self._closed = True
+            self._stop_helper()
+            with self._cv:
                 os.close(self._fd)
                 os.close(self._lock_fd)
+
+    def _stop_helper(self) -> None:
+        """Finish pending trims, then drop the spare (open would delete it anyway)."""
+        if self._helper is None:
+            return
+        with self._spare_lock:
+            self._helper_stop = True
+        self._helper_wake.set()
+        self._helper.join()
+        if self._spare is not None:
+            _drop_spare(self.directory, self._spare[0])
+            self._spare = None
+
+
+def _drop_spare(directory: Path, fd: int) -> None:
+    os.close(fd)
+    try:
+        os.unlink(directory / segments.SPARE_NAME)
+    except FileNotFoundError:
+        pass
 
 
 def _lock_directory(directory: Path) -> int:

@@ -8,8 +8,10 @@ that has the log open.
 Preallocation: the active segment is kept zero-filled (and fsynced) ahead of the write position, so a
 commit overwrites blocks that already exist and `fdatasync` flushes data only, with no file-size
 change to journal. A new segment is built as `<name>.tmp` (header + zeros, fsynced) and renamed into
-place, so a segment file is never half-preallocated; a `.tmp` left by a crash is deleted on open.
-When a segment is sealed (roll) it is truncated to its last record.
+place, so a segment file is never half-preallocated; a `.tmp` left by a crash is deleted on open. Once
+a log sees traffic, the next segment is zero-filled ahead of time as `spare.seg.tmp` (no header) off the
+commit path; a roll then only writes its header, fdatasyncs and renames it. A sealed segment's unused
+reserve is cut (`trim`), possibly after the next segment exists: recovery accepts either.
 
 Recovery rule: after the last good frame of a segment, all-zero bytes (the preallocated region, even
 just a zero frame header at the very end) are the clean end of the segment; in a sealed segment the
@@ -38,6 +40,7 @@ from wal.types import Record
 SEGMENT_RE = re.compile(r"^(\d{20})\.seg$")
 TORN_DIR = "torn"
 TMP_SUFFIX = ".tmp"  # a segment being built; never part of the log
+SPARE_NAME = "spare.seg" + TMP_SUFFIX  # the next segment, zero-filled ahead of time (no header yet); removed on open
 _ZEROS = bytes(1 << 20)
 
 
@@ -83,6 +86,51 @@ def create_segment(directory: Path, base_lsn: int, size: int = 0) -> int:
     return fd
 
 
+def build_spare(directory: Path, size: int) -> int:
+    """Zero-fill SPARE_NAME to `size` bytes and fsync it (off the commit path): the next segment, ready
+    before it is needed. It is not part of the log until `activate_spare` renames it. Returns a write fd.
+
+    Each 1 MiB of zeros is written back before the next is written (sync_file_range, where the platform
+    has it): a commit's flush then never queues behind tens of MB of zeros (measured: ~20 ms stalls in
+    single commits while a 64 MB spare was fsynced whole)."""
+    fd = os.open(directory / SPARE_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        zero_fill(fd, 0, size, write_back=True)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def activate_spare(directory: Path, fd: int, base_lsn: int) -> None:
+    """Make the spare (fd from build_spare) the segment starting at `base_lsn`: its header is written over
+    the zeros and made durable (fdatasync: no size change) before the name appears (rename, directory
+    fsync), so the log never holds a segment file without a valid header and zeros after it."""
+    path = directory / segment_name(base_lsn)
+    if path.exists():
+        raise FileExistsError(17, "segment already exists", str(path))
+    pwrite_all(fd, codec.encode_segment_header(base_lsn), 0)
+    os.fdatasync(fd)
+    os.rename(directory / SPARE_NAME, path)
+    fsync_dir(directory)
+
+
+def trim(path: Path, size: int) -> None:
+    """Cut a sealed segment's unused zero reserve (durably). Recovery accepts the reserve too, so this
+    may run after the next segment exists; a segment already reclaimed is left alone."""
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        return
+    try:
+        if os.fstat(fd).st_size > size:
+            os.ftruncate(fd, size)
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def remove_temporaries(directory: Path) -> None:
     """Delete segments that were being built when a writer died (never renamed into the log)."""
     stale = [e.path for e in os.scandir(directory) if e.name.endswith(".seg" + TMP_SUFFIX)]
@@ -99,12 +147,36 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def zero_fill(fd: int, start: int, end: int) -> None:
-    """Write zeros over [start, end) (allocating real, written blocks; the caller fsyncs)."""
+def zero_fill(fd: int, start: int, end: int, write_back: bool = False) -> None:
+    """Write zeros over [start, end) (allocating real, written blocks; the caller fsyncs). With
+    write_back, each 1 MiB is written to the device before the next (no flush, no metadata)."""
     while start < end:
         n = min(len(_ZEROS), end - start)
         pwrite_all(fd, memoryview(_ZEROS)[:n], start)
+        if write_back:
+            _write_back(fd, start, n)
         start += n
+
+
+def _load_sync_file_range():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError, ImportError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _load_sync_file_range()  # Linux; elsewhere the final fsync writes everything
+_SFR_WAIT_WRITE_WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
+
+
+def _write_back(fd: int, offset: int, n: int) -> None:
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, n, _SFR_WAIT_WRITE_WAIT)  # best effort: errors surface at the fsync
 
 
 def nonzero_end(buf, off: int) -> int:

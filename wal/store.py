@@ -35,7 +35,8 @@ class Store:
         self._reclaim_wanted = threading.Event()
         self._stop = threading.Event()
         self.log = Log(path, segment_bytes=self.config.segment_bytes, on_record=self._replay, repair=repair,
-                       on_roll=self._reclaim_wanted.set, preallocate_bytes=self.config.preallocate_bytes)
+                       on_roll=self._reclaim_wanted.set, preallocate_bytes=self.config.preallocate_bytes,
+                       spare_segments=self.config.spare_segments)
         try:
             self._finish_replay(repair)
         except BaseException:
@@ -123,26 +124,42 @@ class Store:
 
     def _append(self, traj_id: str, start: int, tok: bytes, lp: bytes, policy_version: int) -> int:
         n = len(tok) // 4
-        start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
+        if type(start) is not int or type(policy_version) is not int:
+            start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
         if policy_version < 0:
             raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
-        codec._id_bytes(traj_id, "traj_id")
         step = self.config.max_record_tokens
         with self.mutex:
             self.log.check_open()
-            part = self.tokens.new_part(traj_id, start, tok, lp, policy_version)
-            if part is not None:
-                pos, skip = part
-                while skip < n:
-                    k = min(step, n - skip)
-                    t, l = tok[skip * 4:(skip + k) * 4], lp[skip * 8:(skip + k) * 8]
-                    lsn = self.log.append_locked(lambda lsn: codec.encode_tokens(lsn, traj_id, pos, policy_version, t, l))
-                    self.tokens.apply(traj_id, pos, t, l, policy_version, lsn)
-                    pos, skip = pos + k, skip + k
-            big = self.log.batch_bytes > self.config.max_batch_bytes
+            traj = self.tokens.trajs.get(traj_id) if type(traj_id) is str else None  # finalized ones are not in it
+            if traj is not None and start == traj.length and 0 < n <= step:  # the common case: the next chunk, one record
+                idb = traj.idb
+                lsn = self.log.append_locked(lambda lsn: codec.encode_tokens_id(lsn, idb, start, policy_version, tok, lp))
+                traj.add(tok, lp, policy_version)
+                traj.pending.append((lsn, traj.length))
+                big = self.log.batch_bytes > self.config.max_batch_bytes
+            else:
+                big = self._append_checked(traj_id, start, tok, lp, policy_version, n)
         if big:
             self.log.commit()
         return start + n
+
+    def _append_checked(self, traj_id: str, start: int, tok: bytes, lp: bytes, policy_version: int, n: int) -> bool:
+        """_append for anything but the next chunk of a known trajectory (caller holds the mutex): new
+        trajectories, repeats, gaps, rewrites, finalized ones, records to split. Returns whether the
+        batch outgrew max_batch_bytes."""
+        codec._id_bytes(traj_id, "traj_id")
+        step = self.config.max_record_tokens
+        part = self.tokens.new_part(traj_id, start, tok, lp, policy_version)
+        if part is not None:
+            pos, skip = part
+            while skip < n:
+                k = min(step, n - skip)
+                t, l = tok[skip * 4:(skip + k) * 4], lp[skip * 8:(skip + k) * 8]
+                lsn = self.log.append_locked(lambda lsn: codec.encode_tokens(lsn, traj_id, pos, policy_version, t, l))
+                self.tokens.apply(traj_id, pos, t, l, policy_version, lsn)
+                pos, skip = pos + k, skip + k
+        return self.log.batch_bytes > self.config.max_batch_bytes
 
     def append_step(self, traj_ids, positions, tokens, logprobs, policy_version: int) -> None:
         """One decode step: token i goes to traj_ids[i] at positions[i], as one STEP record (one frame,
