@@ -14,7 +14,7 @@ runs past the preallocated end, the next extent is zero-filled in the same flush
 makes the new size durable too. A segment that reaches the cap is sealed and the next one created
 (preallocated, see segments.py).
 
-Spare segments (`spare_segments`, on by default): once a segment has grown past its first extent, a
+Spare segments (`spare_segments`, off by default): once a segment has grown past its first extent, a
 helper thread zero-fills the next segment file whole (`segment_bytes`) off the commit path. A flush
 whose batch would run past the reserve then rolls into the ready spare instead of growing the file
 (header + fdatasync + rename: no zero-fill inline), and so does a roll at the cap; the sealed segment's
@@ -41,7 +41,7 @@ from wal.types import Record
 class Log:
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
                  repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20,
-                 spare_segments: bool = True):
+                 spare_segments: bool = False):
         self.directory = Path(directory)
         if not self.directory.exists():
             self.directory.mkdir(parents=True)

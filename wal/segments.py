@@ -42,6 +42,7 @@ TORN_DIR = "torn"
 TMP_SUFFIX = ".tmp"  # a segment being built; never part of the log
 SPARE_NAME = "spare.seg" + TMP_SUFFIX  # the next segment, zero-filled ahead of time (no header yet); removed on open
 _ZEROS = bytes(1 << 20)
+SPARE_PACE_S = 0.0  # pause after each MiB of a spare's zeros (leaves the disk to commits between them)
 
 
 def segment_name(base_lsn: int) -> str:
@@ -95,7 +96,7 @@ def build_spare(directory: Path, size: int) -> int:
     single commits while a 64 MB spare was fsynced whole)."""
     fd = os.open(directory / SPARE_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        zero_fill(fd, 0, size, write_back=True)
+        zero_fill(fd, 0, size, write_back=True, pace_s=SPARE_PACE_S)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -147,14 +148,17 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def zero_fill(fd: int, start: int, end: int, write_back: bool = False) -> None:
+def zero_fill(fd: int, start: int, end: int, write_back: bool = False, pace_s: float = 0.0) -> None:
     """Write zeros over [start, end) (allocating real, written blocks; the caller fsyncs). With
-    write_back, each 1 MiB is written to the device before the next (no flush, no metadata)."""
+    write_back, each 1 MiB is written to the device before the next (no flush, no metadata), then
+    `pace_s` seconds pass before the next."""
     while start < end:
         n = min(len(_ZEROS), end - start)
         pwrite_all(fd, memoryview(_ZEROS)[:n], start)
         if write_back:
             _write_back(fd, start, n)
+            if pace_s:
+                time.sleep(pace_s)
         start += n
 
 

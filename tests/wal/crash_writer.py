@@ -2,10 +2,11 @@
 acknowledgement line after every durable operation; the test SIGKILLs it at a random moment.
 
 Tokens are a pure function of (trajectory, position) so the test knows what every position must hold.
-    python tests/wal/crash_writer.py DIR SEED SEGMENT_BYTES [PREALLOCATE_BYTES]   (the tests fork it instead, to skip imports)
+    python tests/wal/crash_writer.py DIR SEED SEGMENT_BYTES [PREALLOCATE_BYTES [spare]]   (the tests fork it instead)
 
-A preallocation smaller than the segment makes commits grow segments and roll into spare segments built
-by the log's helper thread, so kills also land in a spare's construction, activation and trims.
+A preallocation smaller than the segment makes commits grow segments inline, or with `spare` roll into
+spare segments built by the log's helper thread, so kills also land in extensions, in a spare's
+construction and activation, and in trims.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ def main(argv: list[str], out=sys.stdout) -> None:
     directory, seed, seg_bytes = argv[0], int(argv[1]), int(argv[2])
     prealloc = int(argv[3]) if len(argv) > 3 else 1 << 20
     rng = random.Random(seed)
-    w = wal.open(directory, wal.WALConfig(segment_bytes=seg_bytes, preallocate_bytes=prealloc, compact_live_fraction=0.6))
+    spare = len(argv) > 4 and argv[4] == "spare"
+    w = wal.open(directory, wal.WALConfig(segment_bytes=seg_bytes, preallocate_bytes=prealloc, spare_segments=spare,
+                                          compact_live_fraction=0.6))
     env = w.envlog()
     # resume what an earlier (killed) writer left: continue after the last committed token
     live = {t: w.length(t) for t in w.trajectories()}

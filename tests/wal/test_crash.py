@@ -19,7 +19,7 @@ import crash_writer  # noqa: E402
 from crash_writer import logprob, token  # noqa: E402
 
 
-def _spawn(directory: Path, seed: int, seg_bytes: int, prealloc: int) -> tuple[int, object]:
+def _spawn(directory: Path, seed: int, seg_bytes: int, prealloc: str) -> tuple[int, object]:
     """Fork the writer (the parent has already imported everything, so a trial costs no start-up)."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -27,7 +27,7 @@ def _spawn(directory: Path, seed: int, seg_bytes: int, prealloc: int) -> tuple[i
         code = 1
         try:
             os.close(read_fd)
-            crash_writer.main([str(directory), str(seed), str(seg_bytes), str(prealloc)], os.fdopen(write_fd, "w"))
+            crash_writer.main([str(directory), str(seed), str(seg_bytes), *prealloc.split()], os.fdopen(write_fd, "w"))
         except BaseException:
             import traceback
 
@@ -38,7 +38,7 @@ def _spawn(directory: Path, seed: int, seg_bytes: int, prealloc: int) -> tuple[i
     return pid, os.fdopen(read_fd, "r")
 
 
-def _run_and_kill(directory: Path, seed: int, seg_bytes: int, prealloc: int, rng: random.Random) -> tuple[dict, set, dict]:
+def _run_and_kill(directory: Path, seed: int, seg_bytes: int, prealloc: str, rng: random.Random) -> tuple[dict, set, dict]:
     """Start the writer, let it acknowledge a random amount of work, SIGKILL it at a random moment."""
     pid, acks = _spawn(directory, seed, seg_bytes, prealloc)
     acked: dict[str, int] = {}
@@ -123,7 +123,8 @@ def _trial(tmp_path: Path, seed: int) -> None:
     rng = random.Random(seed)
     directory = tmp_path / f"wal-{seed}"
     seg_bytes = rng.choice([4096, 16384, 1 << 20])
-    prealloc = 1 << 20 if seed % 2 else 1024  # even seeds: segments grow and roll into spare segments
+    # segments preallocated whole / grown inline 1 KiB at a time / grown, then rolled into spare segments
+    prealloc = ("1048576", "1024", "1024 spare")[seed % 3]
     acked, finalized, env = {}, set(), {}
     for _ in range(2):  # kill, recover and resume, kill again: recovery continues after the committed end
         a, f, e = _run_and_kill(directory, seed * 10 + _, seg_bytes, prealloc, rng)

@@ -9,7 +9,7 @@ import wal
 from wal import codec, segments
 from wal.verify import verify
 
-CFG = dict(segment_bytes=64 << 10, preallocate_bytes=4 << 10)
+CFG = dict(segment_bytes=64 << 10, preallocate_bytes=4 << 10, spare_segments=True)
 STEP = 64  # tokens per commit: ~800 bytes per record
 
 
@@ -124,8 +124,9 @@ def test_a_spare_left_by_a_crash_is_not_part_of_the_log_and_is_removed_on_open(t
     w.close()
 
 
-def test_spare_segments_off_grow_segments_inline_as_before(tmp_path):
-    w = wal.open(tmp_path, wal.WALConfig(spare_segments=False, **CFG))
+def test_spare_segments_off_by_default_grow_segments_inline(tmp_path):
+    assert wal.WALConfig().spare_segments is False
+    w = wal.open(tmp_path, wal.WALConfig(**{**CFG, "spare_segments": False}))
     log = w._store.log
     for i in range(200):
         _step(w, i)
@@ -141,7 +142,7 @@ def test_spare_segments_off_grow_segments_inline_as_before(tmp_path):
 
 def test_a_small_log_builds_no_spare(tmp_path):
     """A log that never outgrows its first extent (most tests, short runs) never writes a spare."""
-    w = wal.open(tmp_path)
+    w = wal.open(tmp_path, wal.WALConfig(spare_segments=True))
     for i in range(50):
         _step(w, i)
     time.sleep(0.05)
