@@ -2,22 +2,35 @@
 
 - Append is a bidirectional stream: each AppendRequest carries many chunks; with commit=true the reply
   (AppendAck) comes once everything up to it is durable and carries the durable lsn. Streams of many
-  clients run on their own server threads and share the log's group commit.
+  clients share the log's group commit.
 - Errors come back as gRPC statuses with a `wal-error` trailer naming the wal exception:
   FAILED_PRECONDITION (gap, rewrite, finalized), INVALID_ARGUMENT (malformed message or payload),
   UNAUTHENTICATED (missing or wrong shared secret), RESOURCE_EXHAUSTED (message over the size bound,
   enforced by gRPC itself). Chunks before a failing one are committed before the status is sent.
 - Requests are parsed inside the handlers (raw bytes in), so a malformed message gets a clear
   INVALID_ARGUMENT instead of gRPC's generic deserialisation error.
+
+The service runs on grpc.aio: every stream is a coroutine on one event loop (a thread of its own, so the
+`Server` object keeps a blocking API). Appends are checked and encoded on the loop. A commit of a lone
+stream is made inline (one fdatasync on the loop thread, no hand-off); when other streams are sending
+too (a message from another stream within CONCURRENT_S) or a flush is running, the commit goes to a
+flusher thread that flushes everything appended so far and resolves every waiting stream at once, while
+the loop keeps receiving. Measured against the earlier thread-per-stream sync server, on the H200 host
+(16 cores), B=512, 5 paired rounds: 1 client 2,489 -> 2,215 steps/s, 4 clients 4,185 -> 6,282 steps/s
+aggregate, service CPU per step at 4 clients 281 -> 166 us (the sync server's receive and send
+completions each woke a handler thread through a Condition; the GIL hand-offs were its bottleneck).
+Reads, listings, finalize and stats run in the loop's default executor (they may block for an fsync
+or copy megabytes).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import logging
 import socket
-from concurrent import futures
+import threading
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -31,89 +44,168 @@ from wal.tokenwal import TokenWAL
 
 SERVICE = "postrain.wal.v1.TokenLog"
 ERROR_KEY = "wal-error"
+CONCURRENT_S = 0.002  # a message from another stream this recently: commits go through the flusher thread
 log = logging.getLogger("wal.server")
 
 
-def _abort(context, code, kind: str, message: str):
+async def _abort(context, code, kind: str, message: str):
     context.set_trailing_metadata(((ERROR_KEY, kind),))
-    context.abort(code, message)
+    await context.abort(code, message)
 
 
-def _parse(cls, raw: bytes, context):
+async def _parse(cls, raw: bytes, context):
     try:
         return cls.FromString(raw)
     except DecodeError as exc:
-        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "CodecError", f"malformed {cls.__name__}: {exc}")
+        await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "CodecError", f"malformed {cls.__name__}: {exc}")
+
+
+def _ack(batch_id: int, durable: int) -> bytes:
+    return pb.AppendAck(batch_id=batch_id, durable_lsn=durable).SerializeToString()
+
+
+class Flusher:
+    """Group commit for the event loop: `commit()` returns a future; one thread runs `wal.commit()` for
+    every future registered before it started (so for every append made before them) and resolves
+    them together on the loop."""
+
+    def __init__(self, wal: TokenWAL, loop: asyncio.AbstractEventLoop):
+        self.wal, self.loop = wal, loop
+        self.busy = False  # read on the loop: a flush is running, so an inline commit would only wait for it
+        self._waiting: list[asyncio.Future] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="wal-flusher", daemon=True)
+        self._thread.start()
+
+    def commit(self) -> asyncio.Future:
+        fut = self.loop.create_future()
+        with self._lock:
+            self._waiting.append(fut)
+            self.busy = True
+        self._wake.set()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                batch, self._waiting = self._waiting, []
+                if not batch:
+                    self.busy = False
+                    if self._stop:
+                        return
+                    continue
+            try:
+                result, error = self.wal.commit(), None
+            except BaseException as exc:  # every waiter gets it (a poisoned or closed log)
+                result, error = None, exc
+            self.loop.call_soon_threadsafe(_resolve, batch, result, error)
+            self._wake.set()  # look again: more may have come while flushing
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+
+
+def _resolve(batch, result, error) -> None:
+    for fut in batch:
+        if not fut.done():
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
 
 
 class TokenLogService:
-    def __init__(self, wal: TokenWAL, serve: ServeConfig):
+    def __init__(self, wal: TokenWAL, serve: ServeConfig, flusher: Flusher):
         self.wal = wal
         self.serve = serve
+        self.flusher = flusher
+        self._last_stream: object = None
+        self._last_t = 0.0
 
-    def _fail(self, context, exc: Exception):
+    async def _fail(self, context, exc: Exception):
         if isinstance(exc, (GapError, ConflictError, FinalizedError)):
-            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, type(exc).__name__, str(exc))
+            await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, type(exc).__name__, str(exc))
         if isinstance(exc, codec.CodecError):
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "CodecError", str(exc))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "CodecError", str(exc))
         if isinstance(exc, LogClosedError):
-            _abort(context, grpc.StatusCode.UNAVAILABLE, "LogClosedError", str(exc))
+            await _abort(context, grpc.StatusCode.UNAVAILABLE, "LogClosedError", str(exc))
         raise exc
 
-    def Append(self, request_iterator, context):
-        for raw in request_iterator:
-            req = _parse(pb.AppendRequest, raw, context)
+    async def _commit(self, concurrent: bool) -> int:
+        if concurrent or self.flusher.busy:
+            return await self.flusher.commit()
+        return self.wal.commit()  # a lone stream: inline, no hand-off
+
+    async def Append(self, request_iterator, context):
+        me = object()
+        loop = asyncio.get_running_loop()
+        async for raw in request_iterator:
+            req = await _parse(pb.AppendRequest, raw, context)
+            now = loop.time()
+            concurrent = self._last_stream is not me and now - self._last_t < CONCURRENT_S
+            self._last_stream, self._last_t = me, now
             for i, ch in enumerate(req.chunks):
                 try:
                     tok = ch.tokens
                     if len(tok) % 4:
                         raise codec.CodecError(f"chunk {i}: tokens field is {len(tok)} bytes, not a multiple of 4 (int32 LE)")
-                    if len(ch.logprobs) != len(tok) * 2:
-                        raise codec.CodecError(f"chunk {i}: {len(ch.logprobs)} bytes of logprobs for {len(tok) // 4} tokens "
+                    lp = ch.logprobs
+                    if len(lp) != len(tok) * 2:
+                        raise codec.CodecError(f"chunk {i}: {len(lp)} bytes of logprobs for {len(tok) // 4} tokens "
                                                f"(want 8 bytes, float64 LE, per token)")
-                    self.wal.append_packed(ch.traj_id, ch.start, tok, ch.logprobs, ch.policy_version)  # no conversions
+                    self.wal.append_packed(ch.traj_id, ch.start, tok, lp, ch.policy_version)  # no conversions
                 except (WALError, codec.CodecError) as exc:
                     try:
-                        self.wal.commit()  # what came before the bad chunk is durable, so the client knows where it stands
+                        await self._commit(True)  # what came before the bad chunk is durable, so the client knows where it stands
                     except WALError:
                         pass
-                    self._fail(context, type(exc)(f"batch {req.batch_id} chunk {i}: {exc}"))
+                    await self._fail(context, type(exc)(f"batch {req.batch_id} chunk {i}: {exc}"))
             if req.commit:
                 try:
-                    durable = self.wal.commit()
+                    durable = await self._commit(concurrent)
                 except WALError as exc:
-                    self._fail(context, exc)
-                yield pb.AppendAck(batch_id=req.batch_id, durable_lsn=durable)
+                    await self._fail(context, exc)
+                yield _ack(req.batch_id, durable)
 
-    def Read(self, raw, context):
-        req = _parse(pb.ReadRequest, raw, context)
+    async def _blocking(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def Read(self, raw, context):
+        req = await _parse(pb.ReadRequest, raw, context)
         lo = req.from_position
         try:
-            tok, lp, versions, n = self.wal.read_packed(req.traj_id, lo, lo + self.serve.max_read_tokens)
+            tok, lp, versions, n = await self._blocking(self.wal.read_packed, req.traj_id, lo, lo + self.serve.max_read_tokens)
         except WALError as exc:
-            self._fail(context, exc)
+            await self._fail(context, exc)
         return pb.ReadReply(tokens=tok, logprobs=lp, policy_versions=versions, from_position=min(lo, n), committed_length=n)
 
-    def Trajectories(self, raw, context):
-        _parse(pb.TrajectoriesRequest, raw, context)
-        return pb.TrajectoriesReply(traj_ids=self.wal.trajectories())
+    async def Trajectories(self, raw, context):
+        await _parse(pb.TrajectoriesRequest, raw, context)
+        return pb.TrajectoriesReply(traj_ids=await self._blocking(self.wal.trajectories))
 
-    def Finalize(self, raw, context):
-        req = _parse(pb.FinalizeRequest, raw, context)
+    async def Finalize(self, raw, context):
+        req = await _parse(pb.FinalizeRequest, raw, context)
         try:
-            self.wal.finalize(req.traj_id)
-            return pb.CommitReply(durable_lsn=self.wal.commit())
+            await self._blocking(self.wal.finalize, req.traj_id)
+            return pb.CommitReply(durable_lsn=await self._blocking(self.wal.commit))
         except (WALError, codec.CodecError) as exc:
-            self._fail(context, exc)
+            await self._fail(context, exc)
 
-    def Stats(self, raw, context):
-        _parse(pb.StatsRequest, raw, context)
-        return pb.StatsReply(json=json.dumps(self.wal.stats()))
+    async def Stats(self, raw, context):
+        await _parse(pb.StatsRequest, raw, context)
+        return pb.StatsReply(json=json.dumps(await self._blocking(self.wal.stats)))
 
     def handler(self) -> grpc.GenericRpcHandler:
         ser = lambda m: m.SerializeToString()  # noqa: E731
         return grpc.method_handlers_generic_handler(SERVICE, {
-            "Append": grpc.stream_stream_rpc_method_handler(self.Append, response_serializer=ser),
+            "Append": grpc.stream_stream_rpc_method_handler(self.Append),  # yields serialized acks
             "Read": grpc.unary_unary_rpc_method_handler(self.Read, response_serializer=ser),
             "Trajectories": grpc.unary_unary_rpc_method_handler(self.Trajectories, response_serializer=ser),
             "Finalize": grpc.unary_unary_rpc_method_handler(self.Finalize, response_serializer=ser),
@@ -121,23 +213,25 @@ class TokenLogService:
         })
 
 
-class _Auth(grpc.ServerInterceptor):
+class _Auth(grpc.aio.ServerInterceptor):
     """Shared-secret auth: every call must carry `authorization: Bearer <token>` metadata."""
 
     def __init__(self, token: str):
         self._expected = f"Bearer {token}".encode()
 
-        def deny(request, context):
-            _abort(context, grpc.StatusCode.UNAUTHENTICATED, "AuthError",
-                   "missing or wrong WAL service token (pass token=... to wal.connect)")
+        async def deny(request, context):
+            await _abort(context, grpc.StatusCode.UNAUTHENTICATED, "AuthError",
+                         "missing or wrong WAL service token (pass token=... to wal.connect)")
 
         self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
         self._deny_stream = grpc.stream_stream_rpc_method_handler(deny)
 
-    def intercept_service(self, continuation, details):
-        got = dict(details.invocation_metadata).get("authorization", "")
+    async def intercept_service(self, continuation, details):
+        got = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(got, bytes):
+            got = got.decode("latin-1")
         if hmac.compare_digest(got.encode(), self._expected):
-            return continuation(details)
+            return await continuation(details)
         return self._deny_stream if details.method.endswith("/Append") else self._deny_unary
 
 
@@ -151,7 +245,8 @@ def _is_loopback(host: str) -> bool:
 
 
 class Server:
-    """A running log service; `port` is the bound port (useful with port 0)."""
+    """A running log service; `port` is the bound port (useful with port 0). Its event loop runs on a
+    thread of its own; `wait()` blocks until `stop()`."""
 
     def __init__(self, directory: str | Path, serve: ServeConfig | None = None, wal_config: WALConfig | None = None,
                  token: str | None = None, repair: bool = False):
@@ -159,25 +254,52 @@ class Server:
         if not token and not _is_loopback(serve.host):
             raise ValueError(f"refusing to serve the WAL on non-loopback host {serve.host!r} without a token (--token)")
         self.wal = TokenWAL(directory, wal_config, repair=repair)
-        interceptors = [_Auth(token)] if token else []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="wal-serve", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._start(token), self._loop).result()
+        except BaseException:
+            self._shutdown_loop()
+            self.wal.close()
+            raise
+        self.address = f"{serve.host}:{self.port}"
+
+    async def _start(self, token: str | None) -> int:
+        serve = self.serve
+        self._flusher = Flusher(self.wal, self._loop)
         opts = [("grpc.max_receive_message_length", serve.max_message_bytes),
                 ("grpc.max_send_message_length", serve.max_message_bytes),
                 ("grpc.so_reuseport", 0)]
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=serve.max_workers, thread_name_prefix="wal-rpc"),
-                                   handlers=[TokenLogService(self.wal, serve).handler()], interceptors=interceptors,
-                                   options=opts, maximum_concurrent_rpcs=serve.max_workers)
+        self._server = grpc.aio.server(interceptors=[_Auth(token)] if token else None, options=opts,
+                                       maximum_concurrent_rpcs=serve.max_workers)
+        self._server.add_generic_rpc_handlers((TokenLogService(self.wal, serve, self._flusher).handler(),))
         host = f"[{serve.host}]" if ":" in serve.host else serve.host
         try:
-            self.port = self._server.add_insecure_port(f"{host}:{serve.port}")
+            port = self._server.add_insecure_port(f"{host}:{serve.port}")
         except RuntimeError as exc:
-            self.wal.close()
+            self._flusher.close()
             raise OSError(f"cannot bind {serve.host}:{serve.port}: {exc}") from None
-        self._server.start()
-        self.address = f"{serve.host}:{self.port}"
+        await self._server.start()
+        return port
 
     def wait(self) -> None:
-        self._server.wait_for_termination()
+        self._stopped.wait()
 
     def stop(self, grace_s: float = 2.0) -> None:
-        self._server.stop(grace_s).wait()
-        self.wal.close()
+        if self._stopped.is_set():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop).result(timeout=grace_s + 30)
+        finally:
+            self._flusher.close()
+            self._shutdown_loop()
+            self.wal.close()
+            self._stopped.set()
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._thread.is_alive():
+            self._loop.close()

@@ -304,3 +304,40 @@ def test_concurrent_streams_share_fsyncs(server):
     check = wal.connect(server.address)
     for k in range(n_clients):
         assert check.tokens(f"c{k}") == [v for s in range(steps) for v in (k, s, k, s)]
+
+
+def test_flusher_resolves_every_waiting_stream_after_one_flush_and_passes_errors_on(tmp_path):
+    """The service's group commit for its event loop: futures registered after appends resolve with a durable
+    lsn covering those appends, in fewer flushes than futures; a failing flush reaches every waiter as the
+    log's error."""
+    import asyncio
+    import os
+
+    from wal.server import Flusher
+
+    w = wal.open(tmp_path)
+    log = w._store.log
+
+    async def run():
+        f = Flusher(w, asyncio.get_running_loop())
+        try:
+            for k in range(5):
+                w.append(f"t{k}", 0, [k, k + 1], [-0.5, -0.25], 0)
+            last = log.next_lsn - 1
+            before = log.fsyncs
+            got = await asyncio.gather(*(f.commit() for _ in range(5)))
+            assert all(d >= last for d in got) and log.durable_lsn >= last
+            assert log.fsyncs - before < 5, "the waiting commits shared a flush"
+            good = log._fd
+            log._fd = os.open(log._active_path, os.O_RDONLY)  # the next write fails: the log is poisoned
+            try:
+                w.append("t9", 0, [1], [-1.0], 0)
+                return await asyncio.gather(*(f.commit() for _ in range(3)), return_exceptions=True)
+            finally:
+                os.close(good)
+        finally:
+            f.close()
+
+    errs = asyncio.run(run())
+    assert [type(e).__name__ for e in errs] == ["LogClosedError"] * 3, errs
+    w.close()
