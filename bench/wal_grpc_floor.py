@@ -6,7 +6,8 @@ best keep every core busy, so
     ratio <= C x (wall time of one client's step) / (CPU time of one step, service + client, with 4 clients)
 
 This measures the right-hand side's denominator without the log: the same stream shape as the WAL service
-(sync server with gRPC's older poller, client stream on grpc.aio in the caller's thread, one request of the
+used until 2026-12-01 (sync server with gRPC's older poller; the service now runs on grpc.aio, see wal/server.py),
+client stream on grpc.aio in the caller's thread, one request of the
 B=512 step's size, one 16-byte acknowledgement), the server doing nothing but acknowledge (`--mode echo`) or a
 `pwrite` + `fdatasync` of the request per message (`--mode fdatasync`, a log with no index, no checks and no
 group commit). CPU per step comes from /proc of every process. If the echo floor alone, at 4 clients, costs

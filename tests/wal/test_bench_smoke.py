@@ -19,6 +19,7 @@ def test_bench_wal_smoke(tmp_path):
     assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched", "inproc_step",
                                               "raw_prealloc_fdatasync", "floor_1byte_fdatasync"))
     assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0
+    assert all(out["grpc"][f"b512_clients{n}"]["server_cpu_us_per_step"] > 0 for n in (1, 4))
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
 
 
