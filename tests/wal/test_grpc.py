@@ -313,7 +313,7 @@ def test_flusher_resolves_every_waiting_stream_after_one_flush_and_passes_errors
     import asyncio
     import os
 
-    from wal.server import Flusher
+    from wal.flusher import Flusher
 
     w = wal.open(tmp_path)
     log = w._store.log
