@@ -341,3 +341,44 @@ def test_flusher_resolves_every_waiting_stream_after_one_flush_and_passes_errors
     errs = asyncio.run(run())
     assert [type(e).__name__ for e in errs] == ["LogClosedError"] * 3, errs
     w.close()
+
+
+_DYING_CLIENT = """
+import sys, wal
+c = wal.connect(sys.argv[1])
+for s in range(100000):
+    c.append("dying", s * 4, [s, s + 1, s + 2, s + 3], [-0.5] * 4, 0)
+    if s % 3 == 2:
+        c.commit()
+        print(s, flush=True)
+"""
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_client_sigkilled_mid_stream_leaves_the_service_serving_others(server, seed):
+    """A stream whose client dies (appends sent, commit pending or not) ends on the service's loop; the service
+    keeps serving, the dead client's acknowledged tokens are there, and a restarted client resumes after them."""
+    proc = subprocess.Popen([sys.executable, "-c", _DYING_CLIENT, server.address], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    acked = -1
+    try:
+        for _ in range(20 + 37 * seed):
+            acked = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    other = wal.connect(server.address)  # a concurrent client is unaffected
+    for s in range(20):
+        other.append("other", s, [s], [-1.0], 0)
+        other.commit()
+    assert other.tokens("other") == list(range(20))
+    c = wal.connect(server.address)
+    have = c.length("dying")
+    assert have >= (acked + 1) * 4 and have % 4 == 0, (have, acked)
+    s0 = have // 4
+    for s in range(s0, s0 + 5):  # resume after what the service holds
+        c.append("dying", s * 4, [s, s + 1, s + 2, s + 3], [-0.5] * 4, 0)
+    c.commit()
+    assert c.tokens("dying") == [s + k for s in range(s0 + 5) for k in range(4)]
+    c.close()
+    other.close()
