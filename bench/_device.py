@@ -1,4 +1,4 @@
-"""The device line every benchmark JSON carries."""
+"""The device line every benchmark JSON carries, and a process's CPU time."""
 from __future__ import annotations
 
 import os
@@ -17,3 +17,10 @@ def cpu_name() -> str:
     except OSError:
         pass
     return f"{model}, {os.cpu_count()} cores"
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all its threads (from /proc)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")

@@ -36,6 +36,7 @@ import wal
 from wal import codec
 
 from bench._device import cpu_name as device  # noqa: E402
+from bench._device import process_cpu_s  # noqa: E402
 
 
 def _step_arrays(b: int):
@@ -272,13 +273,6 @@ class ClientPool:
             p.join(timeout=60)
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all threads (from /proc)."""
-    with open(f"/proc/{pid}/stat") as fh:
-        f = fh.read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def start_server(directory: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "wal", "serve", "--dir", str(directory), "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -393,9 +387,9 @@ def main(argv: list[str] | None = None) -> int:
                 cpu = {1: [], 4: []}  # the service process's CPU (all its threads) per durable step
                 for r in range(args.rounds):
                     for n in ((1, 4) if r % 2 == 0 else (4, 1)):
-                        c0 = _cpu_s(proc.pid)
+                        c0 = process_cpu_s(proc.pid)
                         runs[n].append(pool.run(n, b, args.seconds))
-                        cpu[n].append((_cpu_s(proc.pid) - c0) / max(pool.last_steps, 1) * 1e6)
+                        cpu[n].append((process_cpu_s(proc.pid) - c0) / max(pool.last_steps, 1) * 1e6)
                 for n, xs in runs.items():
                     tps = statistics.median(xs)
                     g[f"b{b}_clients{n}"] = {"tokens_s": round(tps, 1), "steps_s": round(tps / b, 1),

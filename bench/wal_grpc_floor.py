@@ -30,15 +30,10 @@ import tempfile
 import time
 
 from bench._device import cpu_name as device
+from bench._device import process_cpu_s as _cpu_s
 
 METHOD = "/floor.Echo/Stream"
 ACK = b"\x08\x01\x10\x02" + b"\x00" * 12  # 16 bytes, like an AppendAck
-
-
-def _cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        f = fh.read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def serve(mode: str, directory: str) -> None:

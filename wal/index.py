@@ -54,6 +54,11 @@ class Trajectory:
         if len(self.tok) >= BLOCK_TOKENS * TOKEN_BYTES:
             self.seal()
 
+    def add_record(self, tokens, logprobs, version: int, lsn: int) -> None:
+        """`add` for a record appended under `lsn`, not yet durable."""
+        self.add(tokens, logprobs, version)
+        self.pending.append((lsn, self.length))
+
     def seal(self) -> None:
         """Move every full block of the growing arrays into the sealed lists."""
         tb, lb = BLOCK_TOKENS * TOKEN_BYTES, BLOCK_TOKENS * LOGPROB_BYTES
@@ -123,8 +128,7 @@ class TokenIndex:
             traj = self.trajs[traj_id] = Trajectory(traj_id.encode("utf-8"))
         if start != traj.length:
             raise AssertionError(f"apply at {start} but trajectory {traj_id!r} has length {traj.length}")
-        traj.add(tokens, logprobs, version)
-        traj.pending.append((lsn, traj.length))
+        traj.add_record(tokens, logprobs, version, lsn)
 
     @staticmethod
     def apply_step(trajs: list[Trajectory], tokens: bytes, logprobs: bytes, version: int, lsn: int) -> None:

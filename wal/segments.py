@@ -42,7 +42,6 @@ TORN_DIR = "torn"
 TMP_SUFFIX = ".tmp"  # a segment being built; never part of the log
 SPARE_NAME = "spare.seg" + TMP_SUFFIX  # the next segment, zero-filled ahead of time (no header yet); removed on open
 _ZEROS = bytes(1 << 20)
-SPARE_PACE_S = 0.0  # pause after each MiB of a spare's zeros (leaves the disk to commits between them)
 
 
 def segment_name(base_lsn: int) -> str:
@@ -96,7 +95,7 @@ def build_spare(directory: Path, size: int) -> int:
     single commits while a 64 MB spare was fsynced whole)."""
     fd = os.open(directory / SPARE_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        zero_fill(fd, 0, size, write_back=True, pace_s=SPARE_PACE_S)
+        zero_fill(fd, 0, size, write_back=True)
         os.fsync(fd)
     except BaseException:
         os.close(fd)
@@ -121,15 +120,10 @@ def trim(path: Path, size: int) -> None:
     """Cut a sealed segment's unused zero reserve (durably). Recovery accepts the reserve too, so this
     may run after the next segment exists; a segment already reclaimed is left alone."""
     try:
-        fd = os.open(path, os.O_WRONLY)
+        if path.stat().st_size > size:
+            _truncate(path, size)
     except FileNotFoundError:
-        return
-    try:
-        if os.fstat(fd).st_size > size:
-            os.ftruncate(fd, size)
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        pass
 
 
 def remove_temporaries(directory: Path) -> None:
@@ -148,17 +142,14 @@ def pwrite_all(fd: int, data, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def zero_fill(fd: int, start: int, end: int, write_back: bool = False, pace_s: float = 0.0) -> None:
+def zero_fill(fd: int, start: int, end: int, write_back: bool = False) -> None:
     """Write zeros over [start, end) (allocating real, written blocks; the caller fsyncs). With
-    write_back, each 1 MiB is written to the device before the next (no flush, no metadata), then
-    `pace_s` seconds pass before the next."""
+    write_back, each 1 MiB is written to the device before the next (no flush, no metadata)."""
     while start < end:
         n = min(len(_ZEROS), end - start)
         pwrite_all(fd, memoryview(_ZEROS)[:n], start)
         if write_back:
             _write_back(fd, start, n)
-            if pace_s:
-                time.sleep(pace_s)
         start += n
 
 

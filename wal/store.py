@@ -135,19 +135,17 @@ class Store:
             if traj is not None and start == traj.length and 0 < n <= step:  # the common case: the next chunk, one record
                 idb = traj.idb
                 lsn = self.log.append_locked(lambda lsn: codec.encode_tokens_id(lsn, idb, start, policy_version, tok, lp))
-                traj.add(tok, lp, policy_version)
-                traj.pending.append((lsn, traj.length))
-                big = self.log.batch_bytes > self.config.max_batch_bytes
+                traj.add_record(tok, lp, policy_version, lsn)
             else:
-                big = self._append_checked(traj_id, start, tok, lp, policy_version, n)
+                self._append_checked(traj_id, start, tok, lp, policy_version, n)
+            big = self.log.batch_bytes > self.config.max_batch_bytes
         if big:
             self.log.commit()
         return start + n
 
-    def _append_checked(self, traj_id: str, start: int, tok: bytes, lp: bytes, policy_version: int, n: int) -> bool:
+    def _append_checked(self, traj_id: str, start: int, tok: bytes, lp: bytes, policy_version: int, n: int) -> None:
         """_append for anything but the next chunk of a known trajectory (caller holds the mutex): new
-        trajectories, repeats, gaps, rewrites, finalized ones, records to split. Returns whether the
-        batch outgrew max_batch_bytes."""
+        trajectories, repeats, gaps, rewrites, finalized ones, records to split."""
         codec._id_bytes(traj_id, "traj_id")
         step = self.config.max_record_tokens
         part = self.tokens.new_part(traj_id, start, tok, lp, policy_version)
@@ -159,7 +157,6 @@ class Store:
                 lsn = self.log.append_locked(lambda lsn: codec.encode_tokens(lsn, traj_id, pos, policy_version, t, l))
                 self.tokens.apply(traj_id, pos, t, l, policy_version, lsn)
                 pos, skip = pos + k, skip + k
-        return self.log.batch_bytes > self.config.max_batch_bytes
 
     def append_step(self, traj_ids, positions, tokens, logprobs, policy_version: int) -> None:
         """One decode step: token i goes to traj_ids[i] at positions[i], as one STEP record (one frame,
