@@ -9,7 +9,10 @@ On CUDA (the issue's setting: bf16, V = 129,280, H = 4,096, N in {4,096, 16,384}
   better of the same-shape logits GEMM and an 8192^3 product);
 - `gemm_only`: our cuBLAS GEMMs alone, back to back (and the full-batch bf16 ones eager / compile run),
   `logits_gemm_sm_carveout`: the logits GEMM with SMs left free for a second stream, and `analysis`:
-  what each speed goal leaves for the softmax passes once the GEMMs are paid.
+  what each speed goal leaves for the softmax passes once the GEMMs are paid;
+- `floor` (bench/kl_floor.py): the time no exact method beats here (the four products in cuBLAS'
+  faster layout plus one read of the float32 logits at the measured HBM rate), and per goal whether it
+  lies below that floor (`analysis`).
 Gradient accuracy: relative L2 error of dh and dW against the fp64 reference (bf16 inputs, N = 1,024).
 Peak extra memory: max allocated during one forward+backward minus what was allocated before it.
 
@@ -34,6 +37,8 @@ def _log(msg: str) -> None:
 
 
 from bench._device import cpu_name as _cpu_name  # noqa: E402
+from bench import kl_floor  # noqa: E402
+from bench.kl_floor import gpu_ms as _gpu_ms  # noqa: E402
 
 
 def eager_loss(h_s, W_s, h_t, W_t):
@@ -156,25 +161,11 @@ TUNE_CANDIDATES = [
     dict(STATS, chunk_tokens=1024, grad_group=2),
     dict(STATS, BLOCK_M=2, BLOCK_V=4096, EW_BLOCK=1024, chunk_tokens=1024, grad_group=4),
     dict(STATS, BLOCK_M=2, BLOCK_V=4096, EW_BLOCK=1024, chunk_tokens=512, grad_group=4),
+    dict(STATS, BLOCK_M=2, BLOCK_V=4096, EW_BLOCK=1024, chunk_tokens=1280, grad_group=2),
     # two streams: double-buffered logits only fit the memory goal with chunks of 512 tokens
     dict(STATS, BLOCK_M=2, BLOCK_V=4096, EW_BLOCK=1024, chunk_tokens=512, grad_group=4, overlap=True),
 ]
 TIMING_KEYS = ("ms", "ms_min", "peak_extra_gib", "reps")
-
-
-def _gpu_ms(fn, reps: int, warmup: int = 1) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def _gemm_floor(x, C: int = 1024, R: int = 2048) -> dict:
@@ -298,8 +289,13 @@ def run_cuda(quick: bool, profile: bool = False, tune: bool = True) -> dict:
     liger, liger_err = _liger_fn()
     if liger_err:
         res["liger_error"] = liger_err
-    _log("GEMM rate")
+    else:
+        from importlib.metadata import version
+
+        res["liger_version"] = version("liger-kernel")
+    _log("GEMM rate, HBM read rate")
     res["gemm"] = _gemm_rate_tflops(Ns[-1], V, H)
+    res["hbm_read"] = kl_floor.hbm_read_tb_s()
     torch.cuda.empty_cache()
     compiled = torch.compile(eager_loss, dynamic=False)
     for N in Ns:
@@ -341,6 +337,15 @@ def run_cuda(quick: bool, profile: bool = False, tune: bool = True) -> dict:
         except Exception as exc:
             row["gemm_only"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
         torch.cuda.empty_cache()
+        try:
+            products = kl_floor.gemm_best(x)
+            gemm_ms = dict(products_best_layout=products["best_total_ms"])
+            gemm_ms.update((k, v) for k, v in row.get("gemm_only", {}).items() if k.endswith("_ms"))
+            row["floor"] = dict(kl_floor.floor(N, V, gemm_ms, res["hbm_read"]), products=products)
+            _log(f"N={N} floor: {row['floor']}")
+        except Exception as exc:
+            row["floor"] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+        torch.cuda.empty_cache()
         if profile and N == Ns[-1]:
             row["profile_ours_default"] = _profile(_ours_fn(), x)
         res["results"][str(N)] = row
@@ -370,11 +375,16 @@ def _analysis(res, Ns) -> dict:
         if ours is None or floor is None:
             continue
         a = dict(ours_ms=ours, gemm_only_ms=floor, softmax_passes_ms=ours - floor)
+        bound = row.get("floor", {}).get("floor_ms")  # bench/kl_floor.py: no exact method is faster
+        if bound is not None:
+            a["exact_floor_ms"] = bound
         for base, goal in (("compile", 1.15), ("liger", 1.7)):
             b = row.get(base, {}).get("ms")
             if b is not None:
                 a[f"{base}_goal_ms"] = b / goal  # ours must take at most this
                 a[f"{base}_goal_left_for_passes_ms"] = b / goal - floor
+                if bound is not None:
+                    a[f"{base}_goal_below_exact_floor"] = b / goal < bound
         out[str(N)] = a
     return out
 

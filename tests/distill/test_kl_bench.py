@@ -26,3 +26,20 @@ def test_bench_kl_cpu_smoke(tmp_path):
         assert row["eager"]["ms"] > 0 and row["ours_chunked"]["ms"] > 0
     target = written["targets"]["rel_grad_err_vs_fp64"]
     assert target["met"] and 0 < target["value"] <= 1e-2
+
+
+def test_exact_floor_takes_the_fastest_gemms_plus_one_logits_read():
+    from bench import kl, kl_floor
+
+    N, V = 16384, 129280
+    hbm = dict(used_tb_s=4.0)
+    f = kl_floor.floor(N, V, dict(products_best_layout=101.0, ours_schedule_ms=106.0), hbm)
+    reread = 2 * N * V * 4 / 4.0e12 * 1e3  # both float32 logits, read once
+    assert f["gemm_from"] == "products_best_layout" and f["gemm_ms"] == 101.0
+    assert abs(f["logits_reread_ms"] - reread) < 1e-9 and abs(f["floor_ms"] - (101.0 + reread)) < 1e-9
+    res = dict(results={str(N): dict(ours_default=dict(ms=116.0), compile=dict(ms=120.0), liger=dict(ms=190.0),
+                                     gemm_only=dict(ours_schedule_ms=106.0), floor=f)})
+    a = kl._analysis(res, [N])[str(N)]
+    assert a["exact_floor_ms"] == f["floor_ms"]
+    assert a["compile_goal_below_exact_floor"] is True  # 120 / 1.15 = 104.3 < 105.2
+    assert a["liger_goal_below_exact_floor"] is False  # 190 / 1.7 = 111.8
