@@ -12,7 +12,8 @@ statistics the logits are either read back (both float32, since rounding them to
 
 Everything else (writing the logits, the statistics, writing dlogits) is counted as free, and so are
 every launch and gap: the floor is a bound, not an estimate. A speed goal below it cannot be met
-without GEMMs faster than cuBLAS on the same chip.
+without GEMMs faster than cuBLAS on the same chip, or a kernel that runs the read concurrently with
+tensor-core work at cuBLAS speed (the floor adds the two).
 """
 from __future__ import annotations
 
