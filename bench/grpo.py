@@ -347,17 +347,17 @@ def main(argv: list[str] | None = None) -> int:
 
     kind = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
-        from deploy.errors import UserError
+        from core.errors import UserError
 
         raise UserError("bench grpo --device cuda: no CUDA device is visible")
     if a.micro_batch_tokens is not None and a.micro_batch_tokens < 1:
-        from deploy.errors import UserError
+        from core.errors import UserError
 
         raise UserError(f"bench grpo --micro-batch-tokens must be >= 1, got {a.micro_batch_tokens}")
     res = run(kind, max(1, a.steps), a.attn, a.compile, a.micro_batch_tokens)
     text = json.dumps(res, indent=2, sort_keys=True, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
     if a.out:
-        from deploy.atomic import write_atomic
+        from core.atomic import write_atomic
 
         write_atomic(a.out, (text + "\n").encode())
     print(text)

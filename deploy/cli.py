@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
-    from deploy.errors import UserError
+    from core.errors import UserError
 
     if isinstance(exc, UserError):
         return str(exc)

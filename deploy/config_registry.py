@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from deploy import config
+from core import config
 
 SHIPPED: dict[str, str] = {
     "job": "deploy.job_config:JobConfig",

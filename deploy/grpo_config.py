@@ -12,9 +12,9 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from deploy import config
-from deploy.config import Config
-from deploy.errors import UserError
+from core import config
+from core.config import Config
+from core.errors import UserError
 from learner.config import EvalConfig
 from learner.grpo_config import GRPOConfig
 from rollout.config import EngineConfig, PoolConfig, RolloutConfig, SamplingConfig

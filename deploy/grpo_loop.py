@@ -39,9 +39,10 @@ import numpy as np
 import torch
 
 import rewards
-from deploy.errors import UserError
+from core.errors import UserError
+from core.hf import resolve_checkpoint
 from deploy.grpo_config import GRPOLoopConfig
-from deploy.rundir import RunDir
+from core.rundir import RunDir
 
 # Metrics that depend on wall time or machine load, not on the seeded computation.
 TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s")
@@ -133,9 +134,7 @@ class GRPOLoop:
             raise UserError(str(exc)) from None
         if iterations < 1:
             raise UserError("grpo: --iterations must be >= 1")
-        if not (Path(init) / "config.json").is_file():
-            raise UserError(f"grpo: no HF checkpoint at {init} (config.json missing); pass e.g. OUT/final of `postrain sft`")
-        self.cfg, self.domain, self.init, self.iterations = cfg, domain, Path(init), iterations
+        self.cfg, self.domain, self.init, self.iterations = cfg, domain, resolve_checkpoint(init), iterations
         if stop_after is not None and not 1 <= stop_after <= iterations:
             raise UserError(f"grpo: --stop-after {stop_after} must lie in 1..--iterations ({iterations})")
         self.chaos_seed, self.quiet, self.stop_after = chaos_seed, quiet, stop_after
@@ -171,7 +170,7 @@ class GRPOLoop:
         if self.out.exists() and any(self.out.iterdir()):
             raise UserError(f"grpo: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
         self.out.mkdir(parents=True, exist_ok=True)
-        from deploy.atomic import write_atomic
+        from core.atomic import write_atomic
 
         write_atomic(meta_path, json.dumps(meta, indent=2).encode())
 
@@ -180,7 +179,7 @@ class GRPOLoop:
         import dataplane
         from learner.checkpoint import latest_checkpoint
         from learner.group import LearnerGroup
-        from learner.policy import load_policy
+        from core.hf import load_policy
         from rollout.pool import RolloutPool
 
         cfg = self.cfg
@@ -262,7 +261,7 @@ class GRPOLoop:
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
-        from learner.policy import save_policy
+        from core.hf import save_policy
 
         final = None
         if done == self.iterations:
@@ -393,7 +392,7 @@ class GRPOLoop:
 
     def _truncate_metrics(self, start: int) -> None:
         """Drop metric rows of iterations after the checkpoint (they are run again)."""
-        from deploy.atomic import write_atomic
+        from core.atomic import write_atomic
 
         rows = [r for r in self.run.read_metrics() if r.get("iteration", 0) <= start]
         write_atomic(self.run.metrics_path, "".join(json.dumps(r) + "\n" for r in rows).encode())

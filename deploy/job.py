@@ -7,13 +7,14 @@ from pathlib import Path
 
 import rewards
 from deploy.job_config import JobConfig
-from deploy.progress import progress
-from deploy.rundir import RunDir
+from core.progress import progress
+from core.rundir import RunDir
 
 
 def run_sft(cfg: JobConfig, out: str | Path, init: str | None = None, quiet: bool = False) -> Path:
     """SFT into run dir `out`; the policy is saved to OUT/final/ and returned."""
-    from learner.policy import build_policy, count_params, load_policy, save_policy
+    from learner.policy import build_policy
+    from core.hf import count_params, load_policy, save_policy
     from learner.sft import train_sft
 
     for name in cfg.sft.domains:
@@ -32,7 +33,7 @@ def run_sft(cfg: JobConfig, out: str | Path, init: str | None = None, quiet: boo
 
 def run_eval(cfg: JobConfig, checkpoint: Path, run: RunDir, quiet: bool = False) -> list[dict]:
     from learner.evaluate import evaluate
-    from learner.policy import load_policy
+    from core.hf import load_policy
 
     model, tok = load_policy(checkpoint)
     results = []

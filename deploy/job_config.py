@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from deploy.config import Config
+from core.config import Config
 from learner.config import EvalConfig, PolicyConfig, SFTConfig
 
 

@@ -10,7 +10,7 @@ import torch
 import rewards
 from learner.config import EvalConfig
 from learner.evaluate import complete
-from learner.policy import load_policy
+from core.hf import load_policy
 
 
 def main(checkpoint: str) -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deploy.atomic import fsync_dir, write_atomic
-from deploy.errors import UserError
+from core.atomic import fsync_dir, write_atomic
+from core.errors import UserError
 
 FORMAT = 1
 

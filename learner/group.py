@@ -35,7 +35,8 @@ def free_port(host: str = "127.0.0.1", attempts: int = 16) -> int:
 
 def make_policy(source: PolicyConfig | str | Path):
     """(model, tokenizer) from a PolicyConfig (fresh, seeded) or an HF checkpoint directory."""
-    from learner.policy import build_policy, load_policy
+    from learner.policy import build_policy
+    from core.hf import load_policy
 
     if isinstance(source, PolicyConfig):
         return build_policy(source)

@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from deploy.config import Config
+from core.config import Config
 
 
 class GRPOLossConfig(Config):

@@ -1,18 +1,12 @@
-"""Policy construction and loading: a tiny HF causal LM from config, or any HF checkpoint directory.
-
-Every component loads a policy the same way (`load_policy(dir)`), so a real model drops in unchanged.
-"""
+"""Policy construction: a tiny HF causal LM from config (loading any HF checkpoint is `core.hf`)."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel, Qwen2Config
 
-from deploy.errors import UserError
+from core.errors import UserError
 from learner.config import PolicyConfig
-from learner.tokenizer import char_tokenizer, load_tokenizer
-
+from learner.tokenizer import char_tokenizer
 
 def build_policy(cfg: PolicyConfig) -> tuple[PreTrainedModel, object]:
     """A freshly initialised model of `cfg` and the char tokenizer."""
@@ -31,25 +25,3 @@ def build_policy(cfg: PolicyConfig) -> tuple[PreTrainedModel, object]:
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
     return model, tok
-
-
-def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, object]:
-    """Model and tokenizer from an HF checkpoint directory (safetensors)."""
-    path = Path(path)
-    if not (path / "config.json").is_file():
-        raise UserError(f"no HF checkpoint at {path} (config.json missing); pass a directory written by "
-                        "`postrain sft` or `save_pretrained`")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    tok = load_tokenizer(path)
-    return model, tok
-
-
-def save_policy(model: PreTrainedModel, tok, path: str | Path) -> Path:
-    path = Path(path)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
-
-
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

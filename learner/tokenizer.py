@@ -22,22 +22,3 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left",
         model_max_length=4096,
     )
-
-
-def load_tokenizer(path):
-    """The tokenizer saved in checkpoint dir `path`.
-
-    `AutoTokenizer` prefers the model type's own tokenizer class (Qwen2Tokenizer for a qwen2 config),
-    which rebuilds the pre-tokenizer and silently drops our spaces; a tokenizer saved as a plain
-    tokenizers backend is therefore loaded as exactly that.
-    """
-    import json
-    from pathlib import Path
-
-    from transformers import AutoTokenizer
-
-    cfg_path = Path(path) / "tokenizer_config.json"
-    cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.is_file() else None
-    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    return AutoTokenizer.from_pretrained(path)

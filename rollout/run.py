@@ -12,8 +12,9 @@ import time
 from pathlib import Path
 
 import rewards
-from deploy.atomic import write_atomic
-from deploy.errors import UserError
+from core.atomic import write_atomic
+from core.errors import UserError
+from core.hf import resolve_checkpoint
 from rollout import chaos as chaos_mod
 from rollout.config import RolloutConfig
 from rollout.sampling import SamplingParams
@@ -31,20 +32,19 @@ def requests_for(domain: str, n: int, cfg: RolloutConfig) -> list[Request]:
 
 def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int, out: str | Path,
                 chaos_seed: int | None = None, faults: int = 5, quiet: bool = False) -> dict:
-    from deploy.progress import progress
+    from core.progress import progress
     from rollout.pool import RolloutPool
     from rollout.sink import DataPlaneSink
 
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"rollout: output directory {out} is not empty; pick a fresh --out (its WAL would resume an old run)")
-    if not (Path(checkpoint) / "config.json").is_file():
-        raise UserError(f"rollout: no HF checkpoint at {checkpoint} (config.json missing)")
+    checkpoint = resolve_checkpoint(checkpoint)
     try:
         dom = rewards.domain(domain)
     except rewards.UnknownDomain as exc:
         raise UserError(str(exc)) from None
-    from deploy.rundir import RunDir
+    from core.rundir import RunDir
 
     rd = RunDir(out)
     rd.save_config(cfg)

@@ -22,7 +22,7 @@ import crc32c
 import torch
 from safetensors.torch import save as st_save
 
-from deploy.atomic import write_atomic
+from core.atomic import write_atomic
 
 FORMAT = "postrain-kv-2"
 CHUNK_BYTES = 8 << 20  # the payload is checksummed per chunk, so a restore verifies chunks in parallel

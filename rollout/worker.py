@@ -79,11 +79,11 @@ def load_for_engine(checkpoint: str, dtype: torch.dtype, device: str):
         if model is not None:
             tok = load_lite_tokenizer(checkpoint)
             if tok is None:
-                from learner.tokenizer import load_tokenizer
+                from core.hf import load_tokenizer
 
                 tok = load_tokenizer(checkpoint)
             return model, tok
-    from learner.policy import load_policy
+    from core.hf import load_policy
 
     return load_policy(checkpoint, dtype=dtype)
 

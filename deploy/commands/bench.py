@@ -13,7 +13,7 @@ def add_arguments(p):
 def run(args) -> int:
     import importlib
 
-    from deploy.errors import UserError
+    from core.errors import UserError
 
     try:
         mod = importlib.import_module(f"bench.{args.name}")

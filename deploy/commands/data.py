@@ -46,7 +46,7 @@ def add_arguments(p):
 
 
 def _config(args):
-    from deploy.config import build, load
+    from core.config import build, load
     from dataplane.config import DataPlaneConfig, DataPlaneFile
 
     data = load(DataPlaneFile, args.config, args.overrides).dataplane.model_dump()
@@ -63,7 +63,7 @@ def run(args) -> int:
     from pathlib import Path
 
     import dataplane
-    from deploy.errors import UserError
+    from core.errors import UserError
 
     cfg = _config(args)
     if args.data_verb == "stats" and "://" not in cfg.catalog and not Path(cfg.catalog).is_file():
@@ -97,7 +97,7 @@ def run(args) -> int:
         t2 = time.perf_counter()
         out = plan.summary() | {"select_s": round(t1 - t0, 4), "plan_s": round(t2 - t1, 4)}
         if args.out:
-            from deploy.atomic import write_atomic
+            from core.atomic import write_atomic
 
             write_atomic(Path(args.out), json.dumps(plan.to_json()).encode())
             out["out"] = args.out

@@ -6,7 +6,7 @@ HELP = "pass@1 of a checkpoint on each domain's eval split"
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory (e.g. runs/NAME/final)")
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory, or a run directory holding one as final/ (e.g. runs/NAME)")
     p.add_argument("--domain", action="append", help="domain (repeatable; default: every domain)")
     p.add_argument("--n", type=int, help="eval prompts per domain (overrides eval.n)")
     p.add_argument("--seed", type=int, help="prompt and sampling seed (overrides eval.seed)")
@@ -18,11 +18,11 @@ def run(args) -> int:
     import json
 
     import rewards
-    from deploy import config
+    from core import config
     from deploy.commands._common import default_config
     from deploy.job_config import JobConfig
     from learner.evaluate import evaluate
-    from learner.policy import load_policy
+    from core.hf import load_policy
 
     overrides = list(args.overrides)
     if args.n is not None:

@@ -7,7 +7,7 @@ HELP = "specialist GRPO on a domain: Ray rollouts -> verify -> data plane -> lea
 
 def add_arguments(p):
     p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
-    p.add_argument("--init", required=True, help="HF checkpoint directory to start from (e.g. OUT/final of `postrain sft`)")
+    p.add_argument("--init", required=True, help="checkpoint to start from: an HF checkpoint directory or a run directory holding one as final/")
     p.add_argument("--iterations", type=int, required=True, help="GRPO iterations in total (a resumed run counts the done ones)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/")
     p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")

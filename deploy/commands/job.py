@@ -15,7 +15,7 @@ def add_arguments(p):
 def run(args) -> int:
     from pathlib import Path
 
-    from deploy import config
+    from core import config
     from deploy.commands._common import default_config
     from deploy.job import run_job
     from deploy.job_config import JobConfig

@@ -6,7 +6,7 @@ HELP = "roll out N episodes of a domain with Ray workers that survive preemption
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint", required=True, help="HF causal-LM checkpoint directory (e.g. OUT/final of `postrain sft`)")
+    p.add_argument("--checkpoint", required=True, help="HF causal-LM checkpoint directory, or a run directory holding one as final/")
     p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
     p.add_argument("--n", type=int, default=16, help="episodes to roll out")
     p.add_argument("--workers", type=int, help="rollout workers (overrides pool.workers)")
@@ -22,9 +22,9 @@ def add_arguments(p):
 def run(args) -> int:
     import json
 
-    from deploy import config
+    from core import config
     from deploy.commands._common import default_config
-    from deploy.errors import UserError
+    from core.errors import UserError
     from rollout.config import RolloutConfig
     from rollout.run import rollout_run
 

@@ -39,7 +39,7 @@ def _client_run(args) -> int:
     import os
     from pathlib import Path
 
-    from deploy.errors import UserError
+    from core.errors import UserError
 
     from rewards.sandbox.client import SandboxClient, SandboxRefused
     from rewards.sandbox.server import TOKEN_ENV, TOKEN_FILE
@@ -81,7 +81,7 @@ def run(args) -> int:
 
     from pydantic import ValidationError
 
-    from deploy.errors import UserError
+    from core.errors import UserError
 
     from rewards.sandbox.config import SandboxConfig
     from rewards.sandbox.isolation import IsolationUnavailable

@@ -8,7 +8,7 @@ HELP = "supervised fine-tuning on domain demonstrations (loss on completion toke
 def add_arguments(p):
     p.add_argument("--domain", action="append", help="domain to train on (repeatable; default: the config's)")
     p.add_argument("--steps", type=int, help="optimizer steps (overrides sft.steps)")
-    p.add_argument("--init", help="start from this HF checkpoint directory instead of a fresh policy")
+    p.add_argument("--init", help="start from this checkpoint (HF checkpoint directory or run directory) instead of a fresh policy")
     p.add_argument("--out", required=True, help="run directory; the policy goes to OUT/final/")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_args(p)
@@ -20,7 +20,7 @@ def run(args) -> int:
     from deploy.commands._common import default_config
     from deploy.job import run_sft
     from deploy.job_config import JobConfig
-    from deploy import config
+    from core import config
 
     overrides = list(args.overrides)
     if args.domain:

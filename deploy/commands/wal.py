@@ -32,8 +32,8 @@ def _serve(args) -> int:
     import sys
     import threading
 
-    from deploy.config import load
-    from deploy.errors import UserError
+    from core.config import load
+    from core.errors import UserError
     from wal.config import WALFileConfig
     from wal.errors import CorruptionError, LockedError
     from wal.server import Server

@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -17,6 +16,7 @@ import time
 from pathlib import Path
 
 import rewards.calculator
+from core.atomic import write_atomic
 from rewards.sandbox import types as T
 from rewards.sandbox.isolation import Isolator
 from rewards.sandbox.types import Limits, RunOutcome, ToolOutcome
@@ -106,21 +106,6 @@ def classify(run: RunOutcome, limits: Limits) -> tuple[str, str]:
     return T.TOOL_ERROR, last or f"exit code {run.exit_code}"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    # rewards is a leaf package: the same steps as deploy.atomic, kept local
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Toolbox:
     """Runs one tool call. Isolated tools go through `isolator` as execution slot `slot`."""
 
@@ -197,5 +182,5 @@ class Toolbox:
         time.sleep(hold_ms / 1000)
         with self._counter_lock:
             value = self.read_counter(name) + 1
-            _write_atomic(self.counter_dir / name, str(value).encode())
+            write_atomic(self.counter_dir / name, str(value).encode())
         return ToolOutcome(True, str(value), wall_ms=int((time.monotonic() - start) * 1000))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import dataplane
 from dataplane.config import DataPlaneFile
-from deploy.config import load
+from core.config import load
 
 from .conftest import make_records
 

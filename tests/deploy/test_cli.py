@@ -43,7 +43,8 @@ def test_domains_json():
 @pytest.mark.parametrize("args,needle", [
     (["sft", "--out", "{tmp}/x", "--domain", "nope"], "unknown domain 'nope'"),
     (["sft", "--out", "{tmp}/x", "--set", "sft.stepz=3"], "unknown key 'sft.stepz'"),
-    (["eval", "--checkpoint", "{tmp}/missing"], "no HF checkpoint at"),
+    (["eval", "--checkpoint", "{tmp}/missing"], "missing: no such directory; expected an HF checkpoint directory"),
+    (["eval", "--checkpoint", "{tmp}"], "neither"),
     (["sft", "--out", "{tmp}/x", "--config", "{tmp}/none.toml"], "config file not found"),
     (["bench", "nope"], "unknown benchmark 'nope'"),
 ])
@@ -75,7 +76,8 @@ def test_sft_smoke_loss_falls_and_parameters_change(sft_run):
     assert json.loads((sft_run / "config.json").read_text())["sft"]["steps"] == 40
     assert (sft_run / "sft.png").stat().st_size > 1000
     from learner.config import PolicyConfig
-    from learner.policy import build_policy, load_policy
+    from learner.policy import build_policy
+    from core.hf import load_policy
 
     init, _ = build_policy(PolicyConfig(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64))
     trained, _ = load_policy(sft_run / "final")
@@ -92,6 +94,13 @@ def test_eval_is_deterministic_under_a_fixed_seed(sft_run):
     assert all(r["n"] == 12 and 0.0 <= r["pass_at_1"] <= 1.0 for r in rows)
     sampled = [postrain(*args, "--set", "eval.temperature=1.0", "--seed", "5").stdout for _ in range(2)]
     assert sampled[0] == sampled[1]
+
+
+def test_eval_takes_the_run_directory(sft_run):
+    # the directory `postrain sft --out` wrote names the same checkpoint as its final/
+    args = ["--n", "6", "--domain", "arith", "--json"]
+    assert postrain("eval", "--checkpoint", str(sft_run), *args).stdout == \
+        postrain("eval", "--checkpoint", str(sft_run / "final"), *args).stdout
 
 
 def test_job_writes_run_directory(tmp_path):

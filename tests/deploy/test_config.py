@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from deploy import config
+from core import config
 from deploy.config_registry import SHIPPED, load_shipped
-from deploy.errors import UserError
+from core.errors import UserError
 from deploy.job_config import JobConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.*"))

@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from deploy import config
-from deploy.errors import UserError
+from core import config
+from core.errors import UserError
 from deploy.grpo_config import GRPOLoopConfig
 from deploy.grpo_loop import TIMING_KEYS, run_grpo
 
@@ -72,7 +72,7 @@ def test_grpo_run_raises_eval_pass_at_1(tmp_path, reverse_base):
     assert [r["policy_version"] for r in train] == list(range(1, 31))
     assert all(r["optimizer_steps"] >= 3 for r in train)  # loop.minibatches = 4 (packing keeps groups whole)
     # Outputs: curve, checkpoints, an HF checkpoint `postrain eval` takes, whose weights moved.
-    from learner.policy import load_policy
+    from core.hf import load_policy
 
     assert (out / "grpo.png").stat().st_size > 0 and (out / "checkpoints" / "latest").is_file()
     before, after = load_policy(reverse_base)[0].state_dict(), load_policy(out / "final")[0].state_dict()
@@ -147,7 +147,7 @@ def test_bad_settings_are_one_clear_error(tmp_path, reverse_base):
         run_grpo(_cfg("staleness.bound=0"), "reverse", reverse_base, tmp_path / "b", iterations=1)
     with pytest.raises(UserError, match="unknown domain"):
         run_grpo(_cfg(), "nope", reverse_base, tmp_path / "c", iterations=1)
-    with pytest.raises(UserError, match="no HF checkpoint"):
+    with pytest.raises(UserError, match="expected an HF checkpoint directory"):
         run_grpo(_cfg(), "reverse", tmp_path, tmp_path / "d", iterations=1)
     (tmp_path / "e").mkdir()
     (tmp_path / "e" / "x").write_text("")

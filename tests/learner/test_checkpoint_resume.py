@@ -8,12 +8,12 @@ import shutil
 import pytest
 import torch
 
-from deploy.errors import UserError
+from core.errors import UserError
 from learner.checkpoint import latest_checkpoint, read_checkpoint
 from learner.config import PolicyConfig
 from learner.grpo_config import GRPOConfig
 from learner.group import LearnerGroup
-from learner.policy import load_policy
+from core.hf import load_policy
 from learner.tokenizer import char_tokenizer
 from learner.tokenizer import char_tokenizer
 from learner.train_step import synthetic_packed_batch

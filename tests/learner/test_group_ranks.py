@@ -134,5 +134,5 @@ def test_two_rank_resume_matches_uninterrupted(ray_local, tmp_path):
 
 
 def test_bad_policy_fails_the_group_without_hanging(ray_local, tmp_path):
-    with pytest.raises(Exception, match="no HF checkpoint"):
+    with pytest.raises(Exception, match="expected an HF checkpoint directory"):
         LearnerGroup(config(2, "token-mean"), str(tmp_path / "missing"))

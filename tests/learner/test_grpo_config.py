@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.config import load
-from deploy.errors import UserError
+from core.config import load
+from core.errors import UserError
 from learner.grpo_config import GRPOConfig, OptimConfig
 from learner.optim import build_optimizer, lr_factor
 

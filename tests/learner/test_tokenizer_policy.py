@@ -4,7 +4,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from learner.config import PolicyConfig
-from learner.policy import build_policy, load_policy, save_policy
+from learner.policy import build_policy
+from core.hf import load_policy, save_policy
 from learner.tokenizer import CHARS, char_tokenizer
 
 TOK = char_tokenizer()

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from learner.config import PolicyConfig
-from learner.policy import build_policy, save_policy
+from learner.policy import build_policy
+from core.hf import save_policy
 
 TINY = PolicyConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, max_positions=256)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy import config
+from core import config
 from rollout.config import RolloutConfig
 from rollout.run import requests_for
 from rollout.types import token_hash

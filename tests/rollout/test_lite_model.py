@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from learner.policy import load_policy
+from core.hf import load_policy
 from rollout.engine import Engine, model_fingerprint
-from learner.tokenizer import load_tokenizer
+from core.hf import load_tokenizer
 from rollout.lite_model import LiteCausalLM, LiteTokenizer, load_lite, load_lite_tokenizer
 from rollout.sampling import SamplingParams
 from rollout.worker import load_for_engine

@@ -52,7 +52,7 @@ def test_faults_lose_nothing_and_resample_nothing(tmp_path, tiny_ckpt):
     ref = _reference(tmp_path, tiny_ckpt, reqs)
     run_dir = tmp_path / "run"
     pool = RolloutPool(tiny_ckpt, run_dir, PoolConfig(workers=2, steps_per_call=3), ENGINE, use_tools=False)
-    from learner.policy import load_policy
+    from core.hf import load_policy
     pool.update_weights(load_policy(tiny_ckpt)[0].state_dict(), 2)  # same weights, new version: replacements too
     chaos = [Fault(2, "sigkill", 0), Fault(3, "preempt", 1), Fault(5, "ray_kill", 0), Fault(6, "preempt_corrupt", 1),
              Fault(8, "preempt_delete", 0)]

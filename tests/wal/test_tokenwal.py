@@ -211,8 +211,8 @@ def test_cli_verify_and_dump(tmp_path):
 
 
 def test_serve_config_file_parses_and_bounds_are_enforced(tmp_path):
-    from deploy.config import load
-    from deploy.errors import UserError
+    from core.config import load
+    from core.errors import UserError
     from wal.config import WALFileConfig
 
     (tmp_path / "wal.toml").write_text('[wal]\nsegment_bytes = 1048576\n[serve]\nport = 6000\nmax_message_bytes = 1048576\n')

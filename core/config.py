@@ -13,8 +13,8 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from deploy.atomic import write_atomic
-from deploy.errors import UserError
+from core.atomic import write_atomic
+from core.errors import UserError
 
 C = TypeVar("C", bound=BaseModel)
 

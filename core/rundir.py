@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from deploy import config as config_mod
+from core import config as config_mod
 
 
 class RunDir:

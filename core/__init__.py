@@ -1,0 +1,9 @@
+"""core: what every layer of postrain shares; it imports no other postrain package.
+
+    atomic.py     atomic file writes (temp file, fsync, rename, fsync of the directory)
+    errors.py     UserError: operating errors printed as one line
+    config.py     typed configs: the pydantic base, TOML/YAML files, --set overrides, one-line errors
+    progress.py   rich progress bars that fall back to quiet lines when not a TTY
+    rundir.py     a run directory: resolved config, metrics.jsonl, PNG plots
+    hf.py         HF checkpoints: load/save model and tokenizer, a run directory's final/ as a checkpoint
+"""

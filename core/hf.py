@@ -1,0 +1,72 @@
+"""Hugging Face checkpoints as every layer loads them: the model, its tokenizer, and where they live.
+
+`resolve_checkpoint` accepts a checkpoint directory (`config.json` in it) or a run directory whose
+`final/` is one, so `postrain eval --checkpoint runs/NAME` and `--checkpoint runs/NAME/final` agree.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.errors import UserError
+
+
+def is_checkpoint(path: Path) -> bool:
+    """An HF model directory: its config.json names a `model_type` (a run's own config.json does not)."""
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The HF checkpoint directory that `path` names: `path` itself, or `path/final` of a run directory."""
+    path = Path(path)
+    for candidate in (path, path / "final"):
+        if is_checkpoint(candidate):
+            return candidate
+    if not path.exists():
+        raise UserError(f"checkpoint {path}: no such directory; expected an HF checkpoint directory "
+                        "(config.json + safetensors) or a run directory holding one as final/")
+    raise UserError(f"checkpoint {path}: neither {path} nor {path}/final holds an HF model config.json; "
+                    "expected an HF checkpoint directory (written by `postrain sft`, `postrain grpo` or "
+                    "`save_pretrained`) or a run directory holding one as final/")
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved in checkpoint directory `path`.
+
+    `AutoTokenizer` prefers the model type's own tokenizer class (Qwen2Tokenizer for a qwen2 config),
+    which rebuilds the pre-tokenizer and silently drops our spaces; a tokenizer saved as a plain
+    tokenizers backend is therefore loaded as exactly that.
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    cfg_path = Path(path) / "tokenizer_config.json"
+    cls = json.loads(cfg_path.read_text()).get("tokenizer_class") if cfg_path.is_file() else None
+    if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_policy(path: str | Path, dtype=None):
+    """Model and tokenizer from an HF checkpoint directory (safetensors), or a run directory's final/."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_checkpoint(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa",
+                                                 use_safetensors=True)
+    return model, load_tokenizer(path)
+
+
+def save_policy(model, tok, path: str | Path) -> Path:
+    """Weights as safetensors and the tokenizer, into `path`."""
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
