@@ -1,6 +1,10 @@
 """Heavy-field store: immutable Arrow IPC shard files under a root (local path or `pyarrow.fs` URI),
 written atomically (temp, fsync, rename, fsync dir), checksummed (crc32c of the file), and read back
-memory-mapped and zero-copy where the filesystem is local."""
+memory-mapped and zero-copy where the filesystem is local.
+
+On a local root every write, directory creation and delete goes through `core.fileio` (so the
+power-cut simulator sees it); remote filesystems are written through `pyarrow.fs`, whose upload then
+move is their commit (they have no fsync to get wrong)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,15 +20,8 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
+from core import fileio
 from dataplane.errors import ChecksumError, ShardMissingError
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class MappedShard:
@@ -74,7 +71,10 @@ class ShardStore:
         self.root = root
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.use_mmap = use_mmap and self.local
-        self.fs.create_dir(self.base, recursive=True)
+        if self.local:
+            fileio.makedirs(self.base)
+        else:
+            self.fs.create_dir(self.base, recursive=True)
 
     def full_path(self, rel: str) -> str:
         return f"{self.base}/{rel}"
@@ -94,21 +94,24 @@ class ShardStore:
         crc = int(google_crc32c.value(buf))
         path = self.full_path(rel)
         parent = path.rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
         tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp.{os.getpid()}"
         if self.local:
+            fileio.makedirs(parent)  # durably: the shard's directory is part of its path
             try:
-                with open(tmp, "wb") as f:
-                    f.write(buf)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    fileio.write_all(fd, buf)
+                    fileio.fsync(fd)
+                finally:
+                    fileio.close(fd)
+                fileio.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                    fileio.unlink(tmp)
                 raise
-            _fsync_dir(parent)
+            fileio.fsync_dir(parent)
         else:  # object stores have no fsync; a completed upload followed by a move is their commit
+            self.fs.create_dir(parent, recursive=True)
             with self.fs.open_output_stream(tmp) as out:
                 out.write(buf)
             self.fs.move(tmp, path)
@@ -177,7 +180,10 @@ class ShardStore:
 
     def delete(self, rel: str) -> None:
         try:
-            self.fs.delete_file(self.full_path(rel))
+            if self.local:
+                fileio.unlink(self.full_path(rel))
+            else:
+                self.fs.delete_file(self.full_path(rel))
         except FileNotFoundError:
             pass
 

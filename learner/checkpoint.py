@@ -14,12 +14,12 @@ import hashlib
 import json
 import os
 import random
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from core import fileio
 from core.atomic import fsync_dir, write_atomic
 from core.errors import UserError
 
@@ -52,11 +52,7 @@ def _sha256(path: Path) -> str:
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, files in os.walk(root):
         for name in files:
-            fd = os.open(Path(dirpath) / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fileio.sync_path(Path(dirpath) / name)
         fsync_dir(Path(dirpath))
 
 
@@ -67,12 +63,12 @@ def checkpoint_name(iteration: int) -> str:
 def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_state: dict,
                     rng_states: list[dict]) -> Path:
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    fileio.makedirs(root)
     final = root / checkpoint_name(iteration)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+        fileio.rmtree(tmp)
+    fileio.mkdir(tmp)
     model.save_pretrained(tmp / "model", safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp / "model")
@@ -82,15 +78,15 @@ def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_
     state = {"format": FORMAT, "iteration": iteration, "policy_version": int(trainer_state["policy_version"]),
              "step": int(trainer_state["step"]), "world_size": len(rng_states),
              "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
-    (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    fileio.write_new(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
     _fsync_tree(tmp)
     if final.exists():  # re-saving an iteration: move the old one aside, then drop it once the new is in place
         old = root / f".old-{final.name}-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old)
+        fileio.rename(final, old)
+        fileio.rename(tmp, final)
+        fileio.rmtree(old)
     else:
-        os.rename(tmp, final)
+        fileio.rename(tmp, final)
     fsync_dir(root)
     write_atomic(root / "latest", final.name.encode())
     return final

@@ -5,8 +5,8 @@ policy version, model fingerprint, dtype, crc32c of the tensor bytes. A snapshot
 when every field matches the WAL and the current weights; anything else is a `SnapshotRejected`
 whose reason the caller counts before falling back to re-prefill from the WAL.
 
-The store is a local directory (atomic write: temp, fsync, rename, fsync dir) or any `pyarrow.fs`
-URI (temp object then move).
+The store is a local directory (atomic write through `core.fileio`: temp, fsync, rename, fsync dir)
+or any `pyarrow.fs` URI (temp object then move; object stores have no fsync).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import crc32c
 import torch
 from safetensors.torch import save as st_save
 
+from core import fileio
 from core.atomic import write_atomic
 
 FORMAT = "postrain-kv-2"
@@ -229,7 +230,7 @@ class SnapshotStore:
             self._fs.create_dir(self._root, recursive=True)
         else:
             self._local = Path(uri.removeprefix("file://"))
-            self._local.mkdir(parents=True, exist_ok=True)
+            fileio.makedirs(self._local)
 
     def _name(self, traj_id: str) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(traj_id))
@@ -273,7 +274,7 @@ class SnapshotStore:
         if self._local:
             p = self._local / self._name(traj_id)
             if p.is_file():
-                p.unlink()
+                fileio.unlink(p)
                 return True
             return False
         from pyarrow import fs as pafs

@@ -34,6 +34,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+from core import fileio
 from wal import codec, segments
 from wal.errors import LockedError, LogClosedError
 from wal.segments import ScanReport
@@ -46,8 +47,7 @@ class Log:
                  spare_segments: bool = False):
         self.directory = Path(directory)
         if not self.directory.exists():
-            self.directory.mkdir(parents=True)
-            segments.fsync_dir(self.directory.parent)
+            fileio.makedirs(self.directory)
         elif not self.directory.is_dir():
             raise NotADirectoryError(f"WAL path {self.directory} exists and is not a directory")
         self._lock_fd = _lock_directory(self.directory)
@@ -62,16 +62,16 @@ class Log:
                 self._segments = [(base, self.directory / segments.segment_name(base))]
                 self._pos = codec.SEGMENT_HEAD_BYTES
             else:
-                self._fd = os.open(self._segments[-1][1], os.O_WRONLY)
+                self._fd = fileio.open(self._segments[-1][1], os.O_WRONLY)
                 self._pos = self.report.tail_offset
-            os.fsync(self._fd)  # what a killed writer left in the page cache becomes durable before we build on it
+            fileio.fsync(self._fd)  # what a killed writer left in the page cache becomes durable before we build on it
             self._alloc = os.fstat(self._fd).st_size  # zero-filled and durable up to here
             if self._pos > self._alloc or self._pos < codec.SEGMENT_HEAD_BYTES:
                 raise AssertionError(f"WAL {self.directory}: write position {self._pos} outside the segment ({self._alloc} bytes)")
         except BaseException:
             if getattr(self, "_fd", None) is not None:
-                os.close(self._fd)
-            os.close(self._lock_fd)
+                fileio.close(self._fd)
+            fileio.close(self._lock_fd)
             raise
         self.mutex = threading.Lock()
         self._flush_lock = threading.Lock()  # one flush at a time
@@ -153,13 +153,13 @@ class Log:
             if self._pos + len(data) > self._alloc and self._pos > codec.SEGMENT_HEAD_BYTES and self._spare is not None:
                 rolled.append(self._roll(first))  # the reserve ran out and the next segment is ready: start it
             end = self._pos + len(data)
-            segments.pwrite_all(self._fd, data, self._pos)
+            fileio.pwrite_all(self._fd, data, self._pos)
             if end <= self._alloc:
-                os.fdatasync(self._fd)  # overwrote preallocated blocks: data only, no size change
+                fileio.fdatasync(self._fd)  # overwrote preallocated blocks: data only, no size change
             else:  # past the preallocated end: reserve the next extent in the same flush, size made durable
                 alloc = max(end, min(end + self.preallocate_bytes, self.segment_bytes))
                 segments.zero_fill(self._fd, end, alloc)
-                os.fsync(self._fd)
+                fileio.fsync(self._fd)
                 self._alloc = alloc
                 self._want_spare()
             self._pos = end
@@ -185,8 +185,8 @@ class Log:
             spare, self._spare = self._spare, None
         if spare is None:
             if old_alloc > old_end:  # drop the unused reserve, durably, before the next segment exists
-                os.ftruncate(old_fd, old_end)
-                os.fsync(old_fd)
+                fileio.ftruncate(old_fd, old_end)
+                fileio.fsync(old_fd)
             fd = segments.create_segment(self.directory, base, self._first_extent())
             alloc = os.fstat(fd).st_size
         else:
@@ -194,14 +194,14 @@ class Log:
             try:
                 segments.activate_spare(self.directory, fd, base)
             except BaseException:
-                os.close(fd)
+                fileio.close(fd)
                 raise
             self.spares_used += 1
             with self._spare_lock:
                 if old_alloc > old_end:
                     self._trims.append((old_path, old_end))
             self._helper_wake.set()  # trim the sealed segment, build the next spare
-        os.close(old_fd)
+        fileio.close(old_fd)
         self._fd, self._pos, self._alloc = fd, codec.SEGMENT_HEAD_BYTES, alloc
         self._active_path = self.directory / segments.segment_name(base)
         return base, self._active_path
@@ -260,8 +260,8 @@ class Log:
             if len(self._segments) < 2 or self._segments[0][0] != base:
                 raise AssertionError(f"segment {base} is not the oldest sealed segment")
             path = self._segments.pop(0)[1]
-        path.unlink()
-        segments.fsync_dir(self.directory)
+        fileio.unlink(path)
+        fileio.fsync_dir(self.directory)
 
     def disk_bytes(self) -> int:
         total = 0
@@ -283,8 +283,8 @@ class Log:
                 with self.mutex:
                     self._closed = True
             self._stop_helper()
-            os.close(self._fd)
-            os.close(self._lock_fd)
+            fileio.close(self._fd)
+            fileio.close(self._lock_fd)
 
     def _stop_helper(self) -> None:
         """Finish pending trims, then drop the spare (open would delete it anyway)."""
@@ -300,18 +300,18 @@ class Log:
 
 
 def _drop_spare(directory: Path, fd: int) -> None:
-    os.close(fd)
+    fileio.close(fd)
     try:
-        os.unlink(directory / segments.SPARE_NAME)
+        fileio.unlink(directory / segments.SPARE_NAME)
     except FileNotFoundError:
         pass
 
 
 def _lock_directory(directory: Path) -> int:
-    fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = fileio.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        os.close(fd)
+        fileio.close(fd)
         raise LockedError(f"WAL directory {directory} is open in another process (close it, or use that process's service)") from None
     return fd

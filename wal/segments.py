@@ -33,6 +33,7 @@ from typing import Callable
 
 import numpy as np
 
+from core import fileio
 from wal import codec
 from wal.errors import CorruptionError
 from wal.types import Record
@@ -57,14 +58,6 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def create_segment(directory: Path, base_lsn: int, size: int = 0) -> int:
     """Create a segment (header, then zeros up to `size` bytes) that is durable as a whole before its
     name appears: built as `<name>.tmp`, fsynced, renamed, directory fsynced. Returns a write fd."""
@@ -72,16 +65,16 @@ def create_segment(directory: Path, base_lsn: int, size: int = 0) -> int:
     if path.exists():
         raise FileExistsError(17, "segment already exists", str(path))
     tmp = path.with_name(path.name + TMP_SUFFIX)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         head = codec.encode_segment_header(base_lsn)
-        pwrite_all(fd, head, 0)
+        fileio.pwrite_all(fd, head, 0)
         zero_fill(fd, len(head), size)
-        os.fsync(fd)
-        os.rename(tmp, path)
-        fsync_dir(directory)
+        fileio.fsync(fd)
+        fileio.rename(tmp, path)
+        fileio.fsync_dir(directory)
     except BaseException:
-        os.close(fd)
+        fileio.close(fd)
         raise
     return fd
 
@@ -93,12 +86,12 @@ def build_spare(directory: Path, size: int) -> int:
     Each 1 MiB of zeros is written back before the next is written (sync_file_range, where the platform
     has it): a commit's flush then never queues behind tens of MB of zeros (measured: ~20 ms stalls in
     single commits while a 64 MB spare was fsynced whole)."""
-    fd = os.open(directory / SPARE_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = fileio.open(directory / SPARE_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         zero_fill(fd, 0, size, write_back=True)
-        os.fsync(fd)
+        fileio.fsync(fd)
     except BaseException:
-        os.close(fd)
+        fileio.close(fd)
         raise
     return fd
 
@@ -110,10 +103,10 @@ def activate_spare(directory: Path, fd: int, base_lsn: int) -> None:
     path = directory / segment_name(base_lsn)
     if path.exists():
         raise FileExistsError(17, "segment already exists", str(path))
-    pwrite_all(fd, codec.encode_segment_header(base_lsn), 0)
-    os.fdatasync(fd)
-    os.rename(directory / SPARE_NAME, path)
-    fsync_dir(directory)
+    fileio.pwrite_all(fd, codec.encode_segment_header(base_lsn), 0)
+    fileio.fdatasync(fd)
+    fileio.rename(directory / SPARE_NAME, path)
+    fileio.fsync_dir(directory)
 
 
 def trim(path: Path, size: int) -> None:
@@ -130,16 +123,9 @@ def remove_temporaries(directory: Path) -> None:
     """Delete segments that were being built when a writer died (never renamed into the log)."""
     stale = [e.path for e in os.scandir(directory) if e.name.endswith(".seg" + TMP_SUFFIX)]
     for p in stale:
-        os.unlink(p)
+        fileio.unlink(p)
     if stale:
-        fsync_dir(directory)
-
-
-def pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
+        fileio.fsync_dir(directory)
 
 
 def zero_fill(fd: int, start: int, end: int, write_back: bool = False) -> None:
@@ -147,31 +133,10 @@ def zero_fill(fd: int, start: int, end: int, write_back: bool = False) -> None:
     write_back, each 1 MiB is written to the device before the next (no flush, no metadata)."""
     while start < end:
         n = min(len(_ZEROS), end - start)
-        pwrite_all(fd, memoryview(_ZEROS)[:n], start)
+        fileio.pwrite_all(fd, memoryview(_ZEROS)[:n], start)
         if write_back:
-            _write_back(fd, start, n)
+            fileio.sync_file_range(fd, start, n)
         start += n
-
-
-def _load_sync_file_range():
-    try:
-        import ctypes
-
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError, ImportError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_SYNC_FILE_RANGE = _load_sync_file_range()  # Linux; elsewhere the final fsync writes everything
-_SFR_WAIT_WRITE_WAIT = 1 | 2 | 4  # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER
-
-
-def _write_back(fd: int, offset: int, n: int) -> None:
-    if _SYNC_FILE_RANGE is not None:
-        _SYNC_FILE_RANGE(fd, offset, n, _SFR_WAIT_WRITE_WAIT)  # best effort: errors surface at the fsync
 
 
 def nonzero_end(buf, off: int) -> int:
@@ -217,24 +182,25 @@ def _read(path: Path):
 
 def _keep_aside(directory: Path, name: str, data: bytes) -> Path:
     torn = directory / TORN_DIR
-    torn.mkdir(exist_ok=True)
+    fileio.makedirs(torn)
     path = torn / f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**9:09d}.torn"
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(torn)
-    fsync_dir(directory)
+    fd = fileio.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        fileio.write_all(fd, data)
+        fileio.fsync(fd)
+    finally:
+        fileio.close(fd)
+    fileio.fsync_dir(torn)
     return path
 
 
 def _truncate(path: Path, size: int) -> None:
-    fd = os.open(path, os.O_WRONLY)
+    fd = fileio.open(path, os.O_WRONLY)
     try:
-        os.ftruncate(fd, size)
-        os.fsync(fd)
+        fileio.ftruncate(fd, size)
+        fileio.fsync(fd)
     finally:
-        os.close(fd)
+        fileio.close(fd)
 
 
 def scan(directory: Path, on_record: Callable[[Record], None], *, mutate: bool, repair: bool = False) -> ScanReport:
@@ -281,8 +247,8 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
             report.segments -= 1
             if mutate:
                 report.torn_files.append(str(_keep_aside(directory, path.name, buf)))
-                path.unlink()
-                fsync_dir(directory)
+                fileio.unlink(path)
+                fileio.fsync_dir(directory)
             return False
         problem = str(exc)
     if problem is not None:
@@ -338,10 +304,10 @@ def _corrupt(report, directory, later, path, offset, why, follows, mutate, repai
     if offset > 0:
         _truncate(path, offset)
     else:
-        path.unlink()
+        fileio.unlink(path)
     for _, p in later if offset > 0 else later[1:]:
         data = p.read_bytes()
         report.torn_bytes_cut += len(data)
         report.torn_files.append(str(_keep_aside(directory, p.name, data)))
-        p.unlink()
-    fsync_dir(directory)
+        fileio.unlink(p)
+    fileio.fsync_dir(directory)

@@ -12,6 +12,7 @@ import textwrap
 import pytest
 
 import dataplane
+from core import fileio
 
 from .conftest import make_records
 
@@ -107,7 +108,7 @@ def test_shard_write_is_atomic(tmp_path, monkeypatch):
     def boom(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(os, "fsync", boom)
+    monkeypatch.setattr(fileio, "fsync", boom)
     with pytest.raises(OSError, match="No space"):
         dp.put(make_records(3))
     monkeypatch.undo()

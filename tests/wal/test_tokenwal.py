@@ -225,18 +225,17 @@ def test_serve_config_file_parses_and_bounds_are_enforced(tmp_path):
 
 
 def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch):
-    import os
+    from core import fileio
 
     w = wal.open(tmp_path)
     w.append("t", 0, [1, 2], [-1.0, -2.0], 0)
     w.commit()
-    real_fsync = os.fsync
 
     def broken(fd):
         raise OSError(5, "Input/output error (injected)")
 
-    monkeypatch.setattr(os, "fsync", broken)
-    monkeypatch.setattr(os, "fdatasync", broken)  # commits within the preallocated reserve use fdatasync
+    monkeypatch.setattr(fileio, "fsync", broken)
+    monkeypatch.setattr(fileio, "fdatasync", broken)  # commits within the preallocated reserve use fdatasync
     w.append("t", 2, [3], [-3.0], 0)
     with pytest.raises(wal.LogClosedError, match="injected"):
         w.commit()
