@@ -1,5 +1,6 @@
 """The file operations every durable write goes through: open, write, pwrite, fsync, fdatasync,
-ftruncate, fallocate, sync_file_range, rename, replace, unlink, mkdir, rmdir and directory fsync.
+ftruncate, fallocate, sync_file_range, rename, replace, exchange, unlink, mkdir, rmdir and directory
+fsync.
 
 By default each name is the `os` function itself (or a few lines around one), so a call costs what
 the `os` call costs. Callers look the names up at call time (`fileio.pwrite(...)`, never
@@ -14,6 +15,7 @@ made of primitives only, so they follow the installed backend too.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
@@ -54,6 +56,35 @@ def _sync_file_range(fd: int, offset: int, nbytes: int) -> None:
         _SYNC_FILE_RANGE(fd, offset, nbytes, _SFR_WAIT_WRITE_WAIT)
 
 
+def _load_renameat2():
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, ImportError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _load_renameat2()  # glibc >= 2.28 on Linux >= 3.15
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a, b) -> None:
+    """Swap two existing names atomically (renameat2 RENAME_EXCHANGE): a crash leaves each name with
+    its old or its new inode, never without one. OSError (ENOSYS, EINVAL) where the platform or the
+    filesystem cannot."""
+    import ctypes
+
+    if _RENAMEAT2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
 # --- the primitives (module attributes, replaced by `install`) ---
 open = os.open  # noqa: A001  (path, flags, mode=0o777) -> fd
 close = os.close
@@ -66,13 +97,14 @@ fallocate = _fallocate  # (fd, offset, length)
 sync_file_range = _sync_file_range  # (fd, offset, nbytes)
 rename = os.rename
 replace = os.replace
+exchange = _exchange  # (a, b): swap two names atomically
 unlink = os.unlink
 mkdir = os.mkdir  # (path, mode=0o777)
 rmdir = os.rmdir
 fsync_dir = _fsync_dir  # (path)
 
 OPS = ("open", "close", "write", "pwrite", "fsync", "fdatasync", "ftruncate", "fallocate", "sync_file_range",
-       "rename", "replace", "unlink", "mkdir", "rmdir", "fsync_dir")
+       "rename", "replace", "exchange", "unlink", "mkdir", "rmdir", "fsync_dir")
 DEFAULT = {name: globals()[name] for name in OPS}
 
 

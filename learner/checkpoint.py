@@ -80,11 +80,16 @@ def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_
              "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
     fileio.write_new(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
     _fsync_tree(tmp)
-    if final.exists():  # re-saving an iteration: move the old one aside, then drop it once the new is in place
-        old = root / f".old-{final.name}-{os.getpid()}"
-        fileio.rename(final, old)
-        fileio.rename(tmp, final)
-        fileio.rmtree(old)
+    if final.exists():  # re-saving an iteration: swap the new one in, drop the old one once that is durable
+        try:
+            fileio.exchange(tmp, final)  # atomic: a crash leaves the old or the new one under the name
+        except OSError:  # no renameat2 here: a crash between the renames leaves the old one aside only
+            old = root / f".old-{final.name}-{os.getpid()}"
+            fileio.rename(final, old)
+            fileio.rename(tmp, final)
+            tmp = old
+        fsync_dir(root)
+        fileio.rmtree(tmp)
     else:
         fileio.rename(tmp, final)
     fsync_dir(root)

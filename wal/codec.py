@@ -13,6 +13,11 @@ Frame on disk::
     ENV_RELEASE payload = u16 id_len | id
 
 All integers little-endian. CRC32C is google_crc32c (hardware-accelerated where the CPU has it).
+
+The first frame of each flush (the batch one group commit writes and syncs) stores
+crc32c(body) XOR FLUSH_MARK instead of crc32c(body): recovery can then tell a frame written by a later
+flush, which proves the flushes before it were durable, from the rest of the last flush, whose sectors
+may reach the disk in any order when the power fails before its fdatasync returns.
 """
 from __future__ import annotations
 
@@ -60,6 +65,7 @@ SEGMENT_HEAD = struct.Struct("<8sQI")  # magic, base lsn, crc32c(magic + base)
 SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
 
 crc32c = google_crc32c.value
+FLUSH_MARK = 0x5F4C5553  # XORed into the stored checksum of a flush's first frame
 _I32_MAX = (1 << 31) - 1
 _SMALL = 64  # lists up to this length are packed with the array module
 _LITTLE = sys.byteorder == "little"
@@ -79,28 +85,32 @@ def _id_bytes(name: str, what: str) -> bytes:
     return raw
 
 
-def _frame(body: bytes) -> bytes:
+def _frame(body: bytes, mark: int = 0) -> bytes:
+    """The frame of `body`; mark=FLUSH_MARK for the first frame of a flush (see the module docstring)."""
     if len(body) > MAX_BODY_BYTES:
         raise CodecError(f"record body of {len(body)} bytes exceeds the {MAX_BODY_BYTES}-byte limit")
-    return FRAME.pack(len(body), crc32c(body)) + body
+    return FRAME.pack(len(body), crc32c(body) ^ mark) + body
 
 
-def encode_tokens(lsn: int, traj_id: str, start: int, policy_version: int, tokens: bytes, logprobs: bytes) -> bytes:
-    return encode_tokens_id(lsn, _id_bytes(traj_id, "traj_id"), start, policy_version, tokens, logprobs)
+def encode_tokens(lsn: int, traj_id: str, start: int, policy_version: int, tokens: bytes, logprobs: bytes,
+                  mark: int = 0) -> bytes:
+    return encode_tokens_id(lsn, _id_bytes(traj_id, "traj_id"), start, policy_version, tokens, logprobs, mark)
 
 
-def encode_tokens_id(lsn: int, tid: bytes, start: int, policy_version: int, tokens: bytes, logprobs: bytes) -> bytes:
+def encode_tokens_id(lsn: int, tid: bytes, start: int, policy_version: int, tokens: bytes, logprobs: bytes,
+                     mark: int = 0) -> bytes:
     """encode_tokens with the trajectory id already checked and encoded (UTF-8)."""
     n = len(tokens) // TOKEN_BYTES
     if len(tokens) != n * TOKEN_BYTES or len(logprobs) != n * LOGPROB_BYTES:
         raise CodecError(f"packed tokens ({len(tokens)} B) and logprobs ({len(logprobs)} B) do not describe the same count")
     if start < 0 or policy_version < 0:
         raise CodecError(f"start ({start}) and policy_version ({policy_version}) must be >= 0")
-    return _frame(b"".join((BODY.pack(lsn, TOKENS), TOKENS_HEAD.pack(start, policy_version, n, len(tid)), tid, tokens, logprobs)))
+    return _frame(b"".join((BODY.pack(lsn, TOKENS), TOKENS_HEAD.pack(start, policy_version, n, len(tid)), tid, tokens, logprobs)),
+                  mark)
 
 
 def encode_step_record(lsn: int, ids: list[bytes], starts: bytes, policy_version: int, tokens: bytes,
-                       logprobs: bytes) -> bytes:
+                       logprobs: bytes, mark: int = 0) -> bytes:
     """A STEP frame: one decode step of len(ids) trajectories (ids UTF-8 and distinct; starts packed u64,
     tokens and log-probs packed, one each per id). A few joins and one checksum, whatever the batch."""
     n = len(ids)
@@ -111,7 +121,7 @@ def encode_step_record(lsn: int, ids: list[bytes], starts: bytes, policy_version
     if not _LITTLE:
         lens.byteswap()
     return _frame(b"".join((BODY.pack(lsn, STEP), STEP_HEAD.pack(policy_version, n), lens.tobytes(), starts, tokens,
-                            logprobs, *ids)))
+                            logprobs, *ids)), mark)
 
 
 def pack_positions(positions) -> bytes:
@@ -129,52 +139,52 @@ def pack_positions(positions) -> bytes:
     return arr.tobytes()
 
 
-def encode_finalize(lsn: int, traj_id: str) -> bytes:
+def encode_finalize(lsn: int, traj_id: str, mark: int = 0) -> bytes:
     tid = _id_bytes(traj_id, "traj_id")
-    return _frame(BODY.pack(lsn, FINALIZE) + ID_HEAD.pack(len(tid)) + tid)
+    return _frame(BODY.pack(lsn, FINALIZE) + ID_HEAD.pack(len(tid)) + tid, mark)
 
 
-def _encode_env(kind: int, lsn: int, sandbox_id: str, seq: int, data: bytes) -> bytes:
+def _encode_env(kind: int, lsn: int, sandbox_id: str, seq: int, data: bytes, mark: int = 0) -> bytes:
     if seq < 0:
         raise CodecError(f"seq must be >= 0, got {seq}")
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError(f"environment payload must be bytes, got {type(data).__name__}")
     sid = _id_bytes(sandbox_id, "sandbox_id")
-    return _frame(b"".join((BODY.pack(lsn, kind), ENV_HEAD.pack(seq, len(sid), len(data)), sid, bytes(data))))
+    return _frame(b"".join((BODY.pack(lsn, kind), ENV_HEAD.pack(seq, len(sid), len(data)), sid, bytes(data))), mark)
 
 
-def encode_env_invoke(lsn: int, sandbox_id: str, seq: int, request: bytes) -> bytes:
-    return _encode_env(ENV_INVOKE, lsn, sandbox_id, seq, request)
+def encode_env_invoke(lsn: int, sandbox_id: str, seq: int, request: bytes, mark: int = 0) -> bytes:
+    return _encode_env(ENV_INVOKE, lsn, sandbox_id, seq, request, mark)
 
 
-def encode_env_result(lsn: int, sandbox_id: str, seq: int, response: bytes) -> bytes:
-    return _encode_env(ENV_RESULT, lsn, sandbox_id, seq, response)
+def encode_env_result(lsn: int, sandbox_id: str, seq: int, response: bytes, mark: int = 0) -> bytes:
+    return _encode_env(ENV_RESULT, lsn, sandbox_id, seq, response, mark)
 
 
-def encode_env_release(lsn: int, sandbox_id: str) -> bytes:
+def encode_env_release(lsn: int, sandbox_id: str, mark: int = 0) -> bytes:
     sid = _id_bytes(sandbox_id, "sandbox_id")
-    return _frame(BODY.pack(lsn, ENV_RELEASE) + ID_HEAD.pack(len(sid)) + sid)
+    return _frame(BODY.pack(lsn, ENV_RELEASE) + ID_HEAD.pack(len(sid)) + sid, mark)
 
 
-def encode(record: Record, lsn: int | None = None) -> bytes:
+def encode(record: Record, lsn: int | None = None, mark: int = 0) -> bytes:
     """Encode a decoded record again (compaction copies records forward under a new lsn)."""
     lsn = record.lsn if lsn is None else lsn
     if isinstance(record, TokensRecord):
-        return encode_tokens(lsn, record.traj_id, record.start, record.policy_version, record.tokens, record.logprobs)
+        return encode_tokens(lsn, record.traj_id, record.start, record.policy_version, record.tokens, record.logprobs, mark)
     if isinstance(record, StepRecord):
         starts = array("q", record.starts)
         if not _LITTLE:
             starts.byteswap()
         return encode_step_record(lsn, [_id_bytes(t, "traj_id") for t in record.traj_ids], starts.tobytes(),
-                                  record.policy_version, bytes(record.tokens), bytes(record.logprobs))
+                                  record.policy_version, bytes(record.tokens), bytes(record.logprobs), mark)
     if isinstance(record, FinalizeRecord):
-        return encode_finalize(lsn, record.traj_id)
+        return encode_finalize(lsn, record.traj_id, mark)
     if isinstance(record, EnvInvokeRecord):
-        return encode_env_invoke(lsn, record.sandbox_id, record.seq, record.request)
+        return encode_env_invoke(lsn, record.sandbox_id, record.seq, record.request, mark)
     if isinstance(record, EnvResultRecord):
-        return encode_env_result(lsn, record.sandbox_id, record.seq, record.response)
+        return encode_env_result(lsn, record.sandbox_id, record.seq, record.response, mark)
     if isinstance(record, EnvReleaseRecord):
-        return encode_env_release(lsn, record.sandbox_id)
+        return encode_env_release(lsn, record.sandbox_id, mark)
     raise CodecError(f"not a record: {record!r}")
 
 
@@ -251,6 +261,12 @@ def decode(frame: bytes) -> Record:
     return rec
 
 
+def starts_flush(buf, off: int) -> bool:
+    """Whether the (valid) frame at `off` is the first frame of a flush."""
+    body_len, crc = FRAME.unpack_from(buf, off)
+    return crc32c(buf[off + FRAME.size:off + FRAME.size + body_len]) ^ FLUSH_MARK == crc
+
+
 def read_frame(buf: bytes, off: int, expect_lsn: int | None) -> tuple[Record | None, int, str | None]:
     """Decode the frame at `off`: (record, end offset, None) or (None, off, why it is bad)."""
     if off + FRAME.size > len(buf):
@@ -262,7 +278,8 @@ def read_frame(buf: bytes, off: int, expect_lsn: int | None) -> tuple[Record | N
     if end > len(buf):
         return None, off, f"frame of {body_len} bytes runs past the end of the segment"
     body = buf[off + FRAME.size:end]
-    if crc32c(body) != crc:
+    c = crc32c(body)
+    if c != crc and c ^ FLUSH_MARK != crc:
         return None, off, "checksum mismatch"
     try:
         rec = decode_body(body)
@@ -286,7 +303,8 @@ def scan_frames(buf, off: int, expect_lsn: int, on_record) -> tuple[int, int]:
         if body_len < BODY.size or body_len > MAX_BODY_BYTES or end > n:
             break
         body = buf[off + head:end]
-        if crc32c(body) != crc or unpack_body(body, 0)[0] != expect_lsn:
+        c = crc32c(body)
+        if (c != crc and c ^ FLUSH_MARK != crc) or unpack_body(body, 0)[0] != expect_lsn:
             break
         try:
             rec = decode_body(body)
@@ -330,6 +348,24 @@ def find_valid_after(buf: bytes, off: int, last_lsn: int, stop: int | None = Non
         if err is None:
             return p
     return None
+
+
+def later_flush_after(buf: bytes, off: int, lsn: int, stop: int | None = None) -> int | None:
+    """The offset of the first valid frame after `off` (before `stop`) that starts a flush and has an lsn
+    above `lsn`, else None. Such a frame was written after the flush holding `lsn` was durable."""
+    while True:
+        p = find_valid_after(buf, off, lsn, stop)
+        if p is None:
+            return None
+        prev = lsn
+        while stop is None or p < stop:
+            rec, end, err = read_frame(buf, p, None)
+            if err is not None or not prev < rec.lsn <= prev + MAX_LSN_JUMP:
+                break
+            if starts_flush(buf, p):
+                return p
+            prev, p = rec.lsn, end
+        off = p
 
 
 def encode_segment_header(base_lsn: int) -> bytes:

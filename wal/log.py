@@ -99,10 +99,12 @@ class Log:
             self._helper.start()
 
     # --- appending (caller holds `mutex`) ---
-    def append_locked(self, encode: Callable[[int], bytes]) -> int:
+    def append_locked(self, encode: Callable[[int, int], bytes]) -> int:
+        """Add encode(lsn, mark) to the batch; mark is codec.FLUSH_MARK for the first frame of a batch
+        (the next flush takes the whole batch, so that frame starts a flush), else 0."""
         self.check_open()
         lsn = self._next_lsn
-        frame = encode(lsn)
+        frame = encode(lsn, 0 if self._batch else codec.FLUSH_MARK)
         self._batch.append(frame)
         self._batch_bytes += len(frame)
         self._next_lsn = lsn + 1

@@ -16,10 +16,13 @@ reserve is cut (`trim`), possibly after the next segment exists: recovery accept
 Recovery rule: after the last good frame of a segment, all-zero bytes (the preallocated region, even
 just a zero frame header at the very end) are the clean end of the segment; in a sealed segment the
 next segment's base lsn must then follow on, so zeroed-out records there are still caught as a gap.
-Non-zero bytes after the last good frame at the end of the *last* segment with nothing valid after them
-are a torn tail (an append that never completed): cut (up to the last non-zero byte) and kept aside.
-A bad frame followed by valid ones (even when the bad frame is a zero header), or any damage in an
-earlier segment, is corruption: `scan` raises CorruptionError unless `repair`.
+Non-zero bytes after the last good frame at the end of the *last* segment are a torn tail when no frame
+of a later flush follows them: the damage lies in the last flush, which the power may have cut before
+its fdatasync returned, so none of it was acknowledged and its sectors may have reached the disk in any
+order (valid frames of that same flush after a hole included). A torn tail is cut (up to the last
+non-zero byte) and kept aside. A bad frame followed by a frame that starts a later flush (codec: the
+flush mark), which proves the bad one was durable, even when the bad frame is a zero header, or any
+damage in an earlier segment, is corruption: `scan` raises CorruptionError unless `repair`.
 """
 from __future__ import annotations
 
@@ -273,7 +276,7 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
         return True
     _, _, why = codec.read_frame(buf, end, expect)
     follows = codec.find_valid_after(buf, end, expect - 1, stop) is not None
-    if last and not follows:
+    if last and (not follows or codec.later_flush_after(buf, end, expect, stop) is None):
         report.torn_bytes_cut += stop - end
         report.bytes -= len(buf) - end
         if mutate:

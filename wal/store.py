@@ -134,7 +134,7 @@ class Store:
             traj = self.tokens.trajs.get(traj_id) if type(traj_id) is str else None  # finalized ones are not in it
             if traj is not None and start == traj.length and 0 < n <= step:  # the common case: the next chunk, one record
                 idb = traj.idb
-                lsn = self.log.append_locked(lambda lsn: codec.encode_tokens_id(lsn, idb, start, policy_version, tok, lp))
+                lsn = self.log.append_locked(lambda lsn, mark: codec.encode_tokens_id(lsn, idb, start, policy_version, tok, lp, mark))
                 traj.add_record(tok, lp, policy_version, lsn)
             else:
                 self._append_checked(traj_id, start, tok, lp, policy_version, n)
@@ -154,7 +154,7 @@ class Store:
             while skip < n:
                 k = min(step, n - skip)
                 t, l = tok[skip * 4:(skip + k) * 4], lp[skip * 8:(skip + k) * 8]
-                lsn = self.log.append_locked(lambda lsn: codec.encode_tokens(lsn, traj_id, pos, policy_version, t, l))
+                lsn = self.log.append_locked(lambda lsn, mark: codec.encode_tokens(lsn, traj_id, pos, policy_version, t, l, mark))
                 self.tokens.apply(traj_id, pos, t, l, policy_version, lsn)
                 pos, skip = pos + k, skip + k
 
@@ -188,7 +188,7 @@ class Store:
                 if not objs:
                     return  # all exact repeats
             ids = [t.idb for t in objs]
-            lsn = self.log.append_locked(lambda lsn: codec.encode_step_record(lsn, ids, starts, policy_version, tok, lp))
+            lsn = self.log.append_locked(lambda lsn, mark: codec.encode_step_record(lsn, ids, starts, policy_version, tok, lp, mark))
             for tid, t in zip(traj_ids, objs):
                 if t.length == 0 and tid not in self.tokens.trajs:
                     self.tokens.trajs[tid] = t
@@ -222,7 +222,7 @@ class Store:
         with self.mutex:
             self.log.check_open()
             if traj_id not in self.tokens.finalized:
-                self.log.append_locked(lambda lsn: codec.encode_finalize(lsn, traj_id))
+                self.log.append_locked(lambda lsn, mark: codec.encode_finalize(lsn, traj_id, mark))
                 self.tokens.finalize(traj_id)
                 self._maybe_dead = True
         return self.log.commit()
@@ -232,7 +232,7 @@ class Store:
         with self.mutex:
             self.log.check_open()
             if self.env.needs_invoke(sandbox_id, seq, request):
-                lsn = self.log.append_locked(lambda lsn: codec.encode_env_invoke(lsn, sandbox_id, seq, request))
+                lsn = self.log.append_locked(lambda lsn, mark: codec.encode_env_invoke(lsn, sandbox_id, seq, request, mark))
                 self.env.apply_invoke(sandbox_id, seq, request, lsn)
         return self.log.commit()
 
@@ -241,7 +241,7 @@ class Store:
         with self.mutex:
             self.log.check_open()
             if self.env.needs_result(sandbox_id, seq, response):
-                lsn = self.log.append_locked(lambda lsn: codec.encode_env_result(lsn, sandbox_id, seq, response))
+                lsn = self.log.append_locked(lambda lsn, mark: codec.encode_env_result(lsn, sandbox_id, seq, response, mark))
                 self.env.apply_result(sandbox_id, seq, response, lsn)
         return self.log.commit()
 
@@ -250,7 +250,7 @@ class Store:
         with self.mutex:
             self.log.check_open()
             if sandbox_id not in self.env.released:
-                self.log.append_locked(lambda lsn: codec.encode_env_release(lsn, sandbox_id))
+                self.log.append_locked(lambda lsn, mark: codec.encode_env_release(lsn, sandbox_id, mark))
                 self.env.release(sandbox_id)
                 self._maybe_dead = True
         return self.log.commit()
@@ -319,7 +319,7 @@ class Store:
         with self.mutex:  # liveness re-checked under the mutex: a finalize cannot slip between check and copy
             live = [_live_items(r, self.tokens.finalized) if type(r) is StepRecord else r for r in recs if self._live(r)]
             for r in live:
-                self.log.append_locked(lambda lsn, r=r: codec.encode(r, lsn))
+                self.log.append_locked(lambda lsn, mark, r=r: codec.encode(r, lsn, mark))
             self.copied_records += len(live)
         if live:
             self.log.commit()

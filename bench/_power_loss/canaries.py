@@ -1,0 +1,79 @@
+"""Canaries: builds with one sync removed, which the simulator must catch.
+
+A canary compiles a function again from its own source with the one line that makes a sync removed
+(replaced by `pass`), and puts it in the function's place while the trials run: the code under test
+is the real code minus that line, nothing else. Two are the targets of the power-loss benchmark
+(CANARIES); the others show that each case's properties can fail (EXTRA).
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+
+def mutant(func, needle: str):
+    """`func` compiled from its source without the line containing `needle` (which must be exactly one)."""
+    src = textwrap.dedent(inspect.getsource(func))
+    lines = src.splitlines(keepends=True)
+    hits = [i for i, line in enumerate(lines) if needle in line]
+    if len(hits) != 1:
+        raise AssertionError(f"{func.__qualname__}: {len(hits)} lines contain {needle!r}; a canary removes exactly one")
+    i = hits[0]
+    indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = f"{indent}pass  # canary: {needle} removed\n"
+    ns: dict = {}
+    exec(compile("".join(lines), inspect.getsourcefile(func), "exec"), func.__globals__, ns)  # noqa: S102
+    return ns[func.__name__]
+
+
+@dataclass(frozen=True)
+class Canary:
+    name: str
+    what: str  # the sync removed, in words
+    owner: str  # "module:attribute" or "module:Class.method" to replace
+    needle: str
+    case: str  # the case whose default trials must catch it
+
+    def _target(self):
+        import importlib
+
+        mod_name, attr = self.owner.split(":")
+        obj = importlib.import_module(mod_name)
+        *path, name = attr.split(".")
+        for part in path:
+            obj = getattr(obj, part)
+        return obj, name
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The build with the line removed, for the duration of the block."""
+        obj, name = self._target()
+        original = getattr(obj, name)
+        setattr(obj, name, mutant(original, self.needle))
+        try:
+            yield
+        finally:
+            setattr(obj, name, original)
+
+
+CANARIES = (
+    Canary("wal_commit_fdatasync", "the WAL commit's fdatasync (a commit within the preallocated reserve)",
+           "wal.log:Log._flush", "fileio.fdatasync(self._fd)", "wal"),
+    Canary("wal_segment_dir_fsync", "the directory fsync after a new segment is renamed into place (segment roll/create)",
+           "wal.segments:create_segment", "fileio.fsync_dir(directory)", "wal"),
+)
+
+EXTRA = (
+    Canary("atomic_file_fsync", "write_atomic's fsync of the temp file before the rename (KV snapshots)",
+           "rollout.snapshot:write_atomic", "fileio.fsync(fd)", "snapshot"),
+    Canary("shard_file_fsync", "the shard file's fsync before its rename (data plane)",
+           "dataplane.store:ShardStore.write", "fileio.fsync(fd)", "dataplane"),
+    Canary("makedirs_parent_fsync", "the parent fsync after each directory makedirs creates (data plane run directories)",
+           "core.fileio:makedirs", "fsync_dir(d.parent)", "dataplane"),
+    Canary("checkpoint_root_fsync", "the checkpoint root's fsync after the new iteration is renamed in",
+           "learner.checkpoint:save_checkpoint", "fsync_dir(root)", "checkpoint"),
+    Canary("envlog_commit_fdatasync", "the commit fdatasync, seen from the environment log",
+           "wal.log:Log._flush", "fileio.fdatasync(self._fd)", "envlog"),
+)
