@@ -13,14 +13,15 @@ import textwrap
 from dataclasses import dataclass
 
 
-def mutant(func, needle: str):
-    """`func` compiled from its source without the line containing `needle` (which must be exactly one)."""
+def mutant(func, needle: str, occurrence: int | None = None):
+    """`func` compiled from its source without the line containing `needle`: the only one, or the
+    `occurrence`-th of several (Python indexing: -1 is the last)."""
     src = textwrap.dedent(inspect.getsource(func))
     lines = src.splitlines(keepends=True)
     hits = [i for i, line in enumerate(lines) if needle in line]
-    if len(hits) != 1:
+    if not hits or (occurrence is None and len(hits) != 1):
         raise AssertionError(f"{func.__qualname__}: {len(hits)} lines contain {needle!r}; a canary removes exactly one")
-    i = hits[0]
+    i = hits[0 if occurrence is None else occurrence]
     indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
     lines[i] = f"{indent}pass  # canary: {needle} removed\n"
     ns: dict = {}
@@ -32,9 +33,10 @@ def mutant(func, needle: str):
 class Canary:
     name: str
     what: str  # the sync removed, in words
-    owner: str  # "module:attribute" or "module:Class.method" to replace
+    owner: str  # "module:attribute" or "module:Class.method": where the code under test looks the function up
     needle: str
     case: str  # the case whose default trials must catch it
+    occurrence: int | None = None  # which of several lines with the needle (None: it must be the only one)
 
     def _target(self):
         import importlib
@@ -51,7 +53,7 @@ class Canary:
         """The build with the line removed, for the duration of the block."""
         obj, name = self._target()
         original = getattr(obj, name)
-        setattr(obj, name, mutant(original, self.needle))
+        setattr(obj, name, mutant(original, self.needle, self.occurrence))
         try:
             yield
         finally:
@@ -72,8 +74,8 @@ EXTRA = (
            "dataplane.store:ShardStore.write", "fileio.fsync(fd)", "dataplane"),
     Canary("makedirs_parent_fsync", "the parent fsync after each directory makedirs creates (data plane run directories)",
            "core.fileio:makedirs", "fsync_dir(d.parent)", "dataplane"),
-    Canary("checkpoint_root_fsync", "the checkpoint root's fsync after the new iteration is renamed in",
-           "learner.checkpoint:save_checkpoint", "fsync_dir(root)", "checkpoint"),
+    Canary("checkpoint_file_fsync", "the fsync of each checkpoint file before the directory is renamed into place",
+           "learner.checkpoint:_fsync_tree", "fileio.sync_path(", "checkpoint"),
     Canary("envlog_commit_fdatasync", "the commit fdatasync, seen from the environment log",
            "wal.log:Log._flush", "fileio.fdatasync(self._fd)", "envlog"),
 )

@@ -1,12 +1,12 @@
 """`postrain bench NAME [args]`: run bench/NAME.py (each prints one JSON object)."""
 NAME = "bench"
-HELP = "run a benchmark from bench/ (wal, dataplane, sandbox, rollout, grpo, kl); prints JSON"
+HELP = "run a benchmark from bench/ (wal, dataplane, sandbox, rollout, grpo, kl, power-loss); prints JSON"
 
 
 def add_arguments(p):
     import argparse
 
-    p.add_argument("name", help="benchmark name: a module of bench/")
+    p.add_argument("name", help="benchmark name: a module of bench/ (a dash stands for an underscore: power-loss)")
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark (e.g. --json)")
 
 
@@ -15,10 +15,11 @@ def run(args) -> int:
 
     from core.errors import UserError
 
+    name = args.name.replace("-", "_")
     try:
-        mod = importlib.import_module(f"bench.{args.name}")
+        mod = importlib.import_module(f"bench.{name}")
     except ModuleNotFoundError as exc:
-        if exc.name != f"bench.{args.name}":
+        if exc.name != f"bench.{name}":
             raise
         import pkgutil
 
