@@ -49,8 +49,9 @@ def run_cases(total_cuts: int, say) -> dict[str, Outcome]:
         want = int(total_cuts * SHARES[name] + 0.5)
         acc = Outcome(name, trials=0)
         seed = 1000
-        while acc.cuts < want:
-            acc.add(run_trial(case, seed, images=1, recovery_cuts=3))
+        while acc.cuts < want:  # every point of each workload's log, until the share is reached
+            left = want - acc.cuts
+            acc.add(run_trial(case, seed, images=1, recovery_cuts=3, cuts=left if left < 200 else None))
             seed += 1
         out[name] = acc
         say(f"{name}: {acc.trials} workloads, {acc.cuts} cuts ({acc.recovery_cuts} during recovery), "

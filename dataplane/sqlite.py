@@ -8,13 +8,15 @@ from pathlib import Path
 from sqlalchemy import create_engine, event
 from sqlalchemy.dialects.sqlite import insert as _insert
 
+from core import fileio
+
 COLLATION = "BINARY"  # bytewise order, same as PostgreSQL's "C"
 
 
 def make_engine(url: str, namespace: str | None = None, busy_timeout_s: float = 60.0):
     path = url.split("///", 1)[1] if "///" in url else ""
     if path and path != ":memory:":
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fileio.makedirs(Path(path).parent)  # durably; the database file itself is SQLite's to sync
     engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")

@@ -51,6 +51,9 @@ class CheckpointCase:
     def run(self, live: Path, rec, seed: int) -> None:
         rng = random.Random(seed)
         if self._model is None:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
             self._model = build_policy(TINY)
         model, tok = self._model
         root = live / "ckpt"

@@ -148,6 +148,20 @@ def _cut_recovery(case, image: Path, state, base: Path, out: Outcome, where, cou
         shutil.rmtree(again, ignore_errors=True)
 
 
+def reproduce(case, trial_seed: int, cut: int, seed: int, dest: Path) -> list[tuple]:
+    """Record the workload of `trial_seed` again and write the crash image (cut, seed) of a reported
+    failure under `dest`; returns the operation log. Exact where the workload's operations do not
+    depend on thread timing (the WAL's retention and spare-segment threads can move a few)."""
+    base = Path(tempfile.mkdtemp(prefix=f"powercut-{case.name}-", dir=scratch_root()))
+    try:
+        with powercut.recording(base / "live") as rec:
+            case.run(base / "live", rec, trial_seed)
+        powercut.image(rec.ops, cut, seed, dest)
+        return rec.ops
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def run_trials(case, seeds, **kwargs) -> Outcome:
     total = Outcome(case.name, trials=0)
     for seed in seeds:

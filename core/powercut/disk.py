@@ -17,7 +17,8 @@ A crash image starts from the durable state and, for each unsynced operation, de
   inside that prefix); bytes under that size that no kept write covers read as zeros;
 - a directory operation is applied or not, each on its own; a rename is atomic (the name moves or it
   does not, never both names gone), and so is an exchange (both names swap or neither does).
-`crash_image(seed)` makes those choices with one `random.Random(seed)`, so a seed is one exact state.
+`crash_image(seed)` makes those choices with generators seeded from `seed` (one per inode), so a seed
+is one exact state.
 
 Assumed, as ext4 and xfs give: a sector is written whole or not at all; a rename within one directory is
 atomic; a file's durable data and size never change after its fsync; inodes are not shared between
@@ -177,14 +178,15 @@ class Disk:
     # --- crash images ---
     def crash_image(self, seed: int) -> tuple[str, dict]:
         """(style, tree) of one state a power cut now could leave: tree maps names to bytes (files)
-        or to trees (directories)."""
-        rng = random.Random(seed)
-        style = rng.choices([s for s, _ in STYLES], [w for _, w in STYLES])[0]
-        return style, self._tree(0, rng, style, 0)
+        or to trees (directories). The choices for each inode come from a generator of (seed, inode),
+        so they do not depend on the order of names (a random file name does not change the state)."""
+        style = random.Random(seed).choices([s for s, _ in STYLES], [w for _, w in STYLES])[0]
+        return style, self._tree(0, seed, style, 0)
 
-    def _tree(self, ino: int, rng: random.Random, style: str, depth: int) -> dict:
+    def _tree(self, ino: int, seed: int, style: str, depth: int) -> dict:
         if depth > 64:
             raise AssertionError("directory cycle in the disk model")
+        rng = _rng(seed, ino)
         d = self.dirs[ino]
         entries = dict(d.durable)
         n = len(d.pending)
@@ -195,11 +197,12 @@ class Disk:
         out = {}
         for name in sorted(entries):
             child = entries[name]
-            out[name] = self._tree(child, rng, style, depth + 1) if child in self.dirs else self._file(child, rng, style)
+            out[name] = self._tree(child, seed, style, depth + 1) if child in self.dirs else self._file(child, seed, style)
         return out
 
-    def _file(self, ino: int, rng: random.Random, style: str) -> bytes:
+    def _file(self, ino: int, seed: int, style: str) -> bytes:
         f = self.files[ino]
+        rng = _rng(seed, ino)
         if not f.pending:
             return bytes(f.durable)
         n = len(f.pending)
@@ -238,6 +241,10 @@ class Disk:
                 _apply_to(buf, ("w", a + s, blob[s:e]))
         _resize(buf, size)
         return bytes(buf)
+
+
+def _rng(seed: int, ino: int) -> random.Random:
+    return random.Random((seed << 32) | ino)
 
 
 def _choose(rng: random.Random, style: str, n: int):

@@ -13,7 +13,7 @@ import pytest
 import wal
 from bench._power_loss import canaries
 from bench._power_loss.cases import DEFAULT_TRIALS
-from bench._power_loss.trials import run_trial, run_trials
+from bench._power_loss.trials import image_seed, reproduce, run_trial, run_trials
 from bench._power_loss.wal_cases import CONFIGS, EnvCase, TokenCase
 from wal import codec, segments
 
@@ -37,6 +37,15 @@ def test_canary_is_caught_within_the_default_trials(canary):
     with canary.applied():
         out = run_trials(TokenCase(), trials["seeds"], cuts=trials["cuts"])
     assert out.problems["lost"] > 0, f"{canary.name}: the simulator did not see the removed sync"
+
+
+def test_a_reported_failure_is_reproduced_exactly(tmp_path):
+    ops = reproduce(EnvCase(), 7, 120, image_seed(7, 120, 0), tmp_path / "a")
+    assert reproduce(EnvCase(), 7, 120, image_seed(7, 120, 0), tmp_path / "b") == ops
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*"))
+    assert files and files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*"))
+    assert all((tmp_path / "a" / f).is_dir() or (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
+               for f in files)
 
 
 def test_the_workload_covers_every_segment_configuration():

@@ -1,0 +1,24 @@
+"""`postrain bench power-loss` runs end to end on a tiny budget (the dash maps to bench/power_loss.py) and
+prints the JSON with the four targets; the canaries are caught and nothing acknowledged is lost."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_power_loss_smoke(tmp_path):
+    out_file = tmp_path / "power_loss.json"
+    r = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "power-loss", "--json", "--cuts", "100",
+                        "--ab-rounds", "1", "--ab-chunks", "2", "--no-extra-canaries", "--out", str(out_file)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert json.loads(out_file.read_text()) == out
+    assert set(out["targets"]) >= {"simulated_cuts", "acknowledged_lost", "canaries_caught", "wal_step_b512_slowdown"}
+    for t in out["targets"].values():
+        assert set(t) == {"value", "goal", "met"}
+    assert set(out["cases"]) == {"wal", "envlog", "dataplane", "snapshot", "checkpoint"}
+    assert all(c["cuts"] > 0 for c in out["cases"].values()) and out["simulated_cuts"] >= 100
+    assert out["targets"]["acknowledged_lost"]["value"] == 0 and out["targets"]["canaries_caught"]["met"]
+    assert out["wal_step_ab"]["before_steps_per_cpu_s"] > 0 and out["device"] and out["git_commit"] and out["date_utc"]
