@@ -23,7 +23,7 @@ from pathlib import Path
 from bench._device import cpu_name as device
 from bench._power_loss import canaries as canary_defs
 from bench._power_loss import step_ab
-from bench._power_loss.cases import CASES, DEFAULT_TRIALS, make_case
+from bench._power_loss.cases import CASES, make_case, run_default
 from bench._power_loss.trials import KINDS, Outcome, run_trial
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,11 +61,7 @@ def run_cases(total_cuts: int, say) -> dict[str, Outcome]:
 
 def run_canary(c, say) -> dict:
     t0 = time.perf_counter()
-    case = make_case(c.case)
-    acc = Outcome(c.case, trials=0)
-    with c.applied():
-        for seed in DEFAULT_TRIALS[c.case]["seeds"]:
-            acc.add(run_trial(case, seed, images=1, cuts=DEFAULT_TRIALS[c.case]["cuts"]))
+    acc = run_default(c.case, canary=c)
     caught = acc.failed > 0
     say(f"canary {c.name}: {'caught' if caught else 'NOT caught'} ({acc.failed} of {acc.cuts} images fail)")
     return {"removed": c.what, "case": c.case, "default_trials": acc.trials, "cuts": acc.cuts, "caught": caught,

@@ -9,7 +9,7 @@ place for a while: `core.powercut` records every operation and builds the on-dis
 power cut could leave. Reads (mmap, read, stat, scandir) are not part of the layer; they see the
 real files.
 
-The helpers below the primitives (pwrite_all, write_all, sync_path, makedirs, write_new, rmtree) are
+The helpers below the primitives (pwrite_all, write_all, sync_path, makedirs, write_file, rmtree) are
 made of primitives only, so they follow the installed backend too.
 """
 from __future__ import annotations
@@ -174,11 +174,14 @@ def makedirs(path, mode: int = 0o777) -> None:
         fsync_dir(d.parent)
 
 
-def write_new(path, data) -> None:
-    """Create or replace `path` with `data` (not durable by itself: the caller fsyncs what it needs)."""
+def write_file(path, data, *, sync: bool = False) -> None:
+    """Create or replace `path` with `data`; with sync, fsync it before closing. Its name is durable only
+    once the directory is fsynced."""
     fd = open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, data)
+        if sync:
+            fsync(fd)
     finally:
         close(fd)
 

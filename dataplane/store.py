@@ -7,7 +7,6 @@ power-cut simulator sees it); remote filesystems are written through `pyarrow.fs
 move is their commit (they have no fsync to get wrong)."""
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import re
@@ -21,6 +20,7 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 
 from core import fileio
+from core.atomic import write_atomic
 from dataplane.errors import ChecksumError, ShardMissingError
 
 
@@ -94,23 +94,10 @@ class ShardStore:
         crc = int(google_crc32c.value(buf))
         path = self.full_path(rel)
         parent = path.rsplit("/", 1)[0]
-        tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp.{os.getpid()}"
-        if self.local:
-            fileio.makedirs(parent)  # durably: the shard's directory is part of its path
-            try:
-                fd = fileio.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    fileio.write_all(fd, buf)
-                    fileio.fsync(fd)
-                finally:
-                    fileio.close(fd)
-                fileio.replace(tmp, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    fileio.unlink(tmp)
-                raise
-            fileio.fsync_dir(parent)
+        if self.local:  # its directories created durably, the shard durable before its name appears
+            write_atomic(Path(path), buf)
         else:  # object stores have no fsync; a completed upload followed by a move is their commit
+            tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp.{os.getpid()}"
             self.fs.create_dir(parent, recursive=True)
             with self.fs.open_output_stream(tmp) as out:
                 out.write(buf)

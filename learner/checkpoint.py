@@ -78,7 +78,7 @@ def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_
     state = {"format": FORMAT, "iteration": iteration, "policy_version": int(trainer_state["policy_version"]),
              "step": int(trainer_state["step"]), "world_size": len(rng_states),
              "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
-    fileio.write_new(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
+    fileio.write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
     _fsync_tree(tmp)
     if final.exists():  # re-saving an iteration: swap the new one in, drop the old one once that is durable
         try:

@@ -187,12 +187,7 @@ def _keep_aside(directory: Path, name: str, data: bytes) -> Path:
     torn = directory / TORN_DIR
     fileio.makedirs(torn)
     path = torn / f"{name}.{time.strftime('%Y%m%dT%H%M%S')}.{time.time_ns() % 10**9:09d}.torn"
-    fd = fileio.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        fileio.write_all(fd, data)
-        fileio.fsync(fd)
-    finally:
-        fileio.close(fd)
+    fileio.write_file(path, data, sync=True)
     fileio.fsync_dir(torn)
     return path
 

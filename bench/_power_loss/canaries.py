@@ -68,10 +68,10 @@ CANARIES = (
 )
 
 EXTRA = (
-    Canary("atomic_file_fsync", "write_atomic's fsync of the temp file before the rename (KV snapshots)",
-           "rollout.snapshot:write_atomic", "fileio.fsync(fd)", "snapshot"),
-    Canary("shard_file_fsync", "the shard file's fsync before its rename (data plane)",
-           "dataplane.store:ShardStore.write", "fileio.fsync(fd)", "dataplane"),
+    Canary("snapshot_file_fsync", "the fsync of a synced file write (write_atomic's temp file: KV snapshots)",
+           "core.fileio:write_file", "fsync(fd)", "snapshot"),
+    Canary("shard_file_fsync", "the fsync of a synced file write (write_atomic's temp file: data-plane shards)",
+           "core.fileio:write_file", "fsync(fd)", "dataplane"),
     Canary("makedirs_parent_fsync", "the parent fsync after each directory makedirs creates (data plane run directories)",
            "core.fileio:makedirs", "fsync_dir(d.parent)", "dataplane"),
     Canary("checkpoint_file_fsync", "the fsync of each checkpoint file before the directory is renamed into place",

@@ -2,6 +2,8 @@
 must be caught within."""
 from __future__ import annotations
 
+import contextlib
+
 CASES = ("wal", "envlog", "dataplane", "snapshot", "checkpoint")
 
 # seeds: recorded workloads (the WAL case's seeds 0, 1, 2 are its three segment configurations);
@@ -38,3 +40,12 @@ def make_case(name: str):
 
         return CheckpointCase()
     raise ValueError(f"unknown power-loss case {name!r}; known: {', '.join(CASES)}")
+
+
+def run_default(name: str, canary=None, **kwargs):
+    """The default trials of case `name` (Outcome), in the build of `canary` when one is given."""
+    from bench._power_loss.trials import run_trials
+
+    spec = DEFAULT_TRIALS[name]
+    with canary.applied() if canary is not None else contextlib.nullcontext():
+        return run_trials(make_case(name), spec["seeds"], cuts=spec["cuts"], **kwargs)

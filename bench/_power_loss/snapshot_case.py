@@ -36,7 +36,8 @@ def encoded(traj: str, n: int) -> bytes:
 
 @dataclass
 class Puts:
-    versions: dict = field(default_factory=dict)  # traj -> {token count: bytes} ever put
+    versions: dict = field(default_factory=dict)  # traj -> [(token count, bytes)] of every put (the bytes of two
+    #                                               puts of one count may differ: safetensors orders its metadata freely)
     settled: dict = field(default_factory=dict)  # traj -> token count acknowledged last, or None after a delete
     busy: set = field(default_factory=set)  # trajectories with a put or delete started and not returned
 
@@ -52,7 +53,7 @@ class SnapshotCase:
     def note(state: Puts, mark) -> None:
         kind, traj = mark[0], mark[1]
         if kind == "put":
-            state.versions.setdefault(traj, {})[mark[2]] = mark[3]
+            state.versions.setdefault(traj, []).append((mark[2], mark[3]))
             state.busy.add(traj)
         elif kind == "del":
             state.busy.add(traj)
@@ -96,7 +97,7 @@ class SnapshotCase:
                     if exc.reason != "missing":
                         problems.append(("wrong", f"{traj}: no snapshot, rejected as {exc.reason} instead of missing"))
                 continue
-            n = next((k for k, v in versions.items() if v == data), None)
+            n = next((k for k, v in versions if v == data), None)
             if n is None:
                 problems.append(("wrong", f"{traj}: the stored snapshot ({len(data)} B) is none that was put (not whole)"))
                 continue

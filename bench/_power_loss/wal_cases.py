@@ -110,6 +110,36 @@ def check_env(env, p: Promised) -> list:
     return problems
 
 
+def log_config(segment_bytes: int, preallocate_bytes: int, spare_segments: bool) -> wal.WALConfig:
+    return wal.WALConfig(segment_bytes=segment_bytes, preallocate_bytes=preallocate_bytes, spare_segments=spare_segments,
+                         compact_live_fraction=0.6)
+
+
+def tool_call(env, rec, sb: str, seq: int) -> None:
+    env.invoke(sb, seq, request(sb, seq))
+    rec.mark(("I", sb, seq + 1))
+    env.result(sb, seq, response(sb, seq))
+    rec.mark(("E", sb, seq + 1))
+
+
+def release(env, rec, sb: str) -> None:
+    rec.mark(("r", sb))
+    env.release(sb)
+    rec.mark(("R", sb))
+
+
+def recovered(open_log, path: Path, check) -> list:
+    """Open (recover) the log at `path` and check it; a refusal to open is the finding."""
+    try:
+        log = open_log(path, wal.WALConfig(preallocate_bytes=4096))
+    except Exception as exc:  # noqa: BLE001  (any exception out of recovery)
+        return [("refused", f"{type(exc).__name__}: {exc}")]
+    try:
+        return check(log)
+    finally:
+        log.close()
+
+
 class TokenCase:
     """A rollout writer: appends (several per commit at times), batched decode steps, finalizes, tool
     calls and releases on one log; a reopen half-way (recovery of a live log)."""
@@ -125,8 +155,7 @@ class TokenCase:
         note(state, mark)
 
     def config(self, seed: int) -> wal.WALConfig:
-        seg, pre, spare = self.configs[seed % len(self.configs)]
-        return wal.WALConfig(segment_bytes=seg, preallocate_bytes=pre, spare_segments=spare, compact_live_fraction=0.6)
+        return log_config(*self.configs[seed % len(self.configs)])
 
     def run(self, live: Path, rec, seed: int) -> None:
         rng = random.Random(seed)
@@ -176,35 +205,26 @@ class TokenCase:
                 next_id += 1
             if rng.random() < 0.15:
                 sb = rng.choice(sorted(seqs))
-                q = seqs[sb]
-                env.invoke(sb, q, request(sb, q))
-                rec.mark(("I", sb, q + 1))
-                env.result(sb, q, response(sb, q))
-                rec.mark(("E", sb, q + 1))
-                seqs[sb] = q + 1
+                tool_call(env, rec, sb, seqs[sb])
+                seqs[sb] += 1
             if rng.random() < 0.03:
                 sb = rng.choice(sorted(seqs))
-                rec.mark(("r", sb))
-                env.release(sb)
-                rec.mark(("R", sb))
+                release(env, rec, sb)
                 del seqs[sb]
         w.close()
 
     def check(self, image: Path, p: Promised) -> list:
-        try:
-            w = wal.open(image / "wal", wal.WALConfig(preallocate_bytes=4096))
-        except Exception as exc:  # noqa: BLE001  (any refusal to open is the finding)
-            return [("refused", f"{type(exc).__name__}: {exc}")]
-        try:
-            problems = check_tokens(w, p) + check_env(w.envlog(), p)
-            if not problems:  # resume: the next token of every live trajectory is accepted and durable
-                for traj in w.trajectories():
-                    q = w.length(traj)
-                    w.append(traj, q, [token(traj, q)], [logprob(traj, q)], q // 50)
-                w.commit()
-            return problems
-        finally:
-            w.close()
+        return recovered(wal.open, image / "wal", lambda w: self._check_and_resume(w, p))
+
+    @staticmethod
+    def _check_and_resume(w, p: Promised) -> list:
+        problems = check_tokens(w, p) + check_env(w.envlog(), p)
+        if not problems:  # resume: the next token of every live trajectory is accepted and durable
+            for traj in w.trajectories():
+                q = w.length(traj)
+                w.append(traj, q, [token(traj, q)], [logprob(traj, q)], q // 50)
+            w.commit()
+        return problems
 
 
 class EnvCase:
@@ -222,9 +242,7 @@ class EnvCase:
 
     def run(self, live: Path, rec, seed: int) -> None:
         rng = random.Random(seed)
-        seg, pre, spare = self.cfg
-        cfg = wal.WALConfig(segment_bytes=seg, preallocate_bytes=pre, spare_segments=spare, compact_live_fraction=0.6)
-        env = wal.open_envlog(live / "env", cfg)
+        env = wal.open_envlog(live / "env", log_config(*self.cfg))
         seqs: dict[str, int] = {}
         next_id = 1
         for _ in range(self.calls):
@@ -232,25 +250,12 @@ class EnvCase:
                 seqs[f"sb-{next_id}"] = 0
                 next_id += 1
             sb = rng.choice(sorted(seqs))
-            q = seqs[sb]
-            env.invoke(sb, q, request(sb, q))
-            rec.mark(("I", sb, q + 1))
-            env.result(sb, q, response(sb, q))
-            rec.mark(("E", sb, q + 1))
-            seqs[sb] = q + 1
+            tool_call(env, rec, sb, seqs[sb])
+            seqs[sb] += 1
             if rng.random() < 0.08:
-                rec.mark(("r", sb))
-                env.release(sb)
-                rec.mark(("R", sb))
+                release(env, rec, sb)
                 del seqs[sb]
         env.close()
 
     def check(self, image: Path, p: Promised) -> list:
-        try:
-            env = wal.open_envlog(image / "env", wal.WALConfig(preallocate_bytes=4096))
-        except Exception as exc:  # noqa: BLE001
-            return [("refused", f"{type(exc).__name__}: {exc}")]
-        try:
-            return check_env(env, p)
-        finally:
-            env.close()
+        return recovered(wal.open_envlog, image / "env", lambda env: check_env(env, p))

@@ -22,3 +22,8 @@ def test_bench_power_loss_smoke(tmp_path):
     assert all(c["cuts"] > 0 for c in out["cases"].values()) and out["simulated_cuts"] >= 100
     assert out["targets"]["acknowledged_lost"]["value"] == 0 and out["targets"]["canaries_caught"]["met"]
     assert out["wal_step_ab"]["before_steps_per_cpu_s"] > 0 and out["device"] and out["git_commit"] and out["date_utc"]
+
+
+def test_the_docs_show_the_committed_figures():
+    r = subprocess.run([sys.executable, "docs/power_loss_figures.py", "--check"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -69,9 +69,9 @@ def test_exchange_swaps_two_directories_atomically(tmp_path):
         fileio.exchange(tmp_path / "a", tmp_path / "missing")
 
 
-def test_helpers_write_new_rmtree_write_all(tmp_path):
-    fileio.write_new(tmp_path / "f", b"abc")
-    fileio.write_new(tmp_path / "f", b"z")  # replaces
+def test_helpers_write_file_rmtree(tmp_path):
+    fileio.write_file(tmp_path / "f", b"abc", sync=True)
+    fileio.write_file(tmp_path / "f", b"z")  # replaces
     assert (tmp_path / "f").read_bytes() == b"z"
     (tmp_path / "t" / "u").mkdir(parents=True)
     (tmp_path / "t" / "u" / "v").write_bytes(b"1")

@@ -7,23 +7,19 @@ from __future__ import annotations
 import pytest
 
 from bench._power_loss import canaries
-from bench._power_loss.cases import DEFAULT_TRIALS
+from bench._power_loss.cases import run_default
 from bench._power_loss.plane_case import PlaneCase
-from bench._power_loss.trials import run_trial, run_trials
+from bench._power_loss.trials import run_trial
 
 
-@pytest.mark.parametrize("seed", DEFAULT_TRIALS["dataplane"]["seeds"])
-def test_put_power_cuts(seed):
-    out = run_trial(PlaneCase(), seed, cuts=DEFAULT_TRIALS["dataplane"]["cuts"], recovery_cuts=2)
-    assert out.cuts > 100 and out.failed == 0, out.first
+def test_put_power_cuts():
+    out = run_default("dataplane", recovery_cuts=2)
+    assert out.cuts > 200 and out.recovery_cuts > 0 and out.failed == 0, out.first
 
 
-@pytest.mark.parametrize("name", ["shard_file_fsync", "makedirs_parent_fsync"])
-def test_a_missing_sync_is_caught(name):
-    canary = next(c for c in canaries.EXTRA if c.name == name)
-    with canary.applied():
-        out = run_trials(PlaneCase(), DEFAULT_TRIALS["dataplane"]["seeds"], cuts=DEFAULT_TRIALS["dataplane"]["cuts"])
-    assert out.problems["lost"] > 0, out.first
+@pytest.mark.parametrize("canary", [c for c in canaries.EXTRA if c.case == "dataplane"], ids=lambda c: c.name)
+def test_a_missing_sync_is_caught(canary):
+    assert run_default("dataplane", canary=canary).problems["lost"] > 0
 
 
 @pytest.mark.slow

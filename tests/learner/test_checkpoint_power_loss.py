@@ -7,23 +7,20 @@ from __future__ import annotations
 import pytest
 
 from bench._power_loss import canaries
-from bench._power_loss.cases import DEFAULT_TRIALS
+from bench._power_loss.cases import run_default
 from bench._power_loss.checkpoint_case import CheckpointCase
 from bench._power_loss.trials import run_trial, run_trials
 from core import fileio
 
 
-@pytest.mark.parametrize("seed", DEFAULT_TRIALS["checkpoint"]["seeds"])
-def test_checkpoint_power_cuts(seed):
-    out = run_trial(CheckpointCase(), seed, cuts=DEFAULT_TRIALS["checkpoint"]["cuts"], recovery_cuts=2)
-    assert out.cuts > 100 and out.failed == 0, out.first
+def test_checkpoint_power_cuts():
+    out = run_default("checkpoint", recovery_cuts=2)
+    assert out.cuts > 100 and out.recovery_cuts > 0 and out.failed == 0, out.first
 
 
-def test_unsynced_checkpoint_files_are_caught():
-    canary = next(c for c in canaries.EXTRA if c.name == "checkpoint_file_fsync")
-    with canary.applied():
-        out = run_trials(CheckpointCase(), DEFAULT_TRIALS["checkpoint"]["seeds"], cuts=DEFAULT_TRIALS["checkpoint"]["cuts"])
-    assert out.failed > 0, out.first
+@pytest.mark.parametrize("canary", [c for c in canaries.EXTRA if c.case == "checkpoint"], ids=lambda c: c.name)
+def test_unsynced_checkpoint_files_are_caught(canary):
+    assert run_default("checkpoint", canary=canary).failed > 0
 
 
 def test_resaving_with_two_renames_loses_the_iteration_in_between(monkeypatch):
@@ -31,7 +28,7 @@ def test_resaving_with_two_renames_loses_the_iteration_in_between(monkeypatch):
         raise OSError(38, "renameat2 unavailable (simulated)")
 
     monkeypatch.setitem(fileio.DEFAULT, "exchange", unavailable)  # the recorder calls the real operation from here
-    out = run_trials(CheckpointCase(), range(3), cuts=None)
+    out = run_trials(CheckpointCase(), range(3))
     assert out.problems["lost"] > 0, "between the two renames the acknowledged iteration is under neither name"
 
 

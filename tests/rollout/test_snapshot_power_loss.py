@@ -6,22 +6,19 @@ from __future__ import annotations
 import pytest
 
 from bench._power_loss import canaries
-from bench._power_loss.cases import DEFAULT_TRIALS
+from bench._power_loss.cases import run_default
 from bench._power_loss.snapshot_case import SnapshotCase
-from bench._power_loss.trials import run_trial, run_trials
+from bench._power_loss.trials import run_trial
 
 
-@pytest.mark.parametrize("seed", DEFAULT_TRIALS["snapshot"]["seeds"])
-def test_snapshot_power_cuts(seed):
-    out = run_trial(SnapshotCase(), seed, cuts=DEFAULT_TRIALS["snapshot"]["cuts"], recovery_cuts=2)
-    assert out.cuts > 80 and out.failed == 0, out.first
+def test_snapshot_power_cuts():
+    out = run_default("snapshot", recovery_cuts=2)
+    assert out.cuts > 150 and out.recovery_cuts > 0 and out.failed == 0, out.first
 
 
-def test_an_unsynced_atomic_write_is_caught():
-    canary = next(c for c in canaries.EXTRA if c.name == "atomic_file_fsync")
-    with canary.applied():
-        out = run_trials(SnapshotCase(), DEFAULT_TRIALS["snapshot"]["seeds"], cuts=DEFAULT_TRIALS["snapshot"]["cuts"])
-    assert out.problems["wrong"] > 0, out.first
+@pytest.mark.parametrize("canary", [c for c in canaries.EXTRA if c.case == "snapshot"], ids=lambda c: c.name)
+def test_an_unsynced_atomic_write_is_caught(canary):
+    assert run_default("snapshot", canary=canary).problems["wrong"] > 0
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ import pytest
 
 import wal
 from bench._power_loss import canaries
-from bench._power_loss.cases import DEFAULT_TRIALS
-from bench._power_loss.trials import image_seed, reproduce, run_trial, run_trials
+from bench._power_loss.cases import DEFAULT_TRIALS, run_default
+from bench._power_loss.trials import image_seed, reproduce, run_trial
 from bench._power_loss.wal_cases import CONFIGS, EnvCase, TokenCase
 from wal import codec, segments
 
@@ -33,10 +33,7 @@ def test_envlog_power_cuts(seed):
 
 @pytest.mark.parametrize("canary", canaries.CANARIES, ids=lambda c: c.name)
 def test_canary_is_caught_within_the_default_trials(canary):
-    trials = DEFAULT_TRIALS[canary.case]
-    with canary.applied():
-        out = run_trials(TokenCase(), trials["seeds"], cuts=trials["cuts"])
-    assert out.problems["lost"] > 0, f"{canary.name}: the simulator did not see the removed sync"
+    assert run_default(canary.case, canary=canary).problems["lost"] > 0, f"{canary.name}: the removed sync went unseen"
 
 
 def test_a_reported_failure_is_reproduced_exactly(tmp_path):
