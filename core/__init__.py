@@ -1,5 +1,7 @@
 """core: what every layer of postrain shares; it imports no other postrain package.
 
+    fileio.py     the I/O layer every durable write goes through (os functions by default, swappable)
+    powercut/     simulated power cuts: a fileio backend that records, a disk model that builds crash images
     atomic.py     atomic file writes (temp file, fsync, rename, fsync of the directory)
     errors.py     UserError: operating errors printed as one line
     config.py     typed configs: the pydantic base, TOML/YAML files, --set overrides, one-line errors

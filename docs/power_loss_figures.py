@@ -40,8 +40,9 @@ def render(r: dict) -> str:
         lines += ["", f"WAL step A/B (B={ab['b']}, {ab['rounds']} fresh logs x {ab['chunks_per_round']} chunk pairs of "
                       f"{ab['steps_per_chunk']} steps, logs on {ab['directory']}, before = `{ab['before_commit'][:12]}`): "
                       f"{ab['before_steps_per_cpu_s']} steps per CPU second before, {ab['after_steps_per_cpu_s']} after; "
-                      f"median paired ratio {ab['paired_ratio_after_vs_before']} (slowdown {ab['slowdown']}); wall-clock "
-                      f"paired ratio {ab['wall_paired_ratio_after_vs_before']}."]
+                      f"median paired ratio {ab['paired_ratio_after_vs_before']} (slowdown {ab['slowdown']}; 95% interval of "
+                      f"the median {ab['paired_ratio_median_95ci']}, quartiles {ab['paired_ratio_quartiles']} of "
+                      f"{ab['pairs']} pairs); wall-clock paired ratio {ab['wall_paired_ratio_after_vs_before']}."]
     return "\n".join(lines)
 
 

@@ -3,8 +3,8 @@ gRPC log service; also the per-sandbox environment log.
 
     types.py      records (tokens, finalize, env invoke/result/release), EnvEntry, packed dtypes
     errors.py     GapError, ConflictError, FinalizedError, CorruptionError, LogClosedError, …
-    codec.py      pure frame codec: length + CRC32C, encode/decode, segment header, token packing
-    segments.py   segment files (preallocated, zero-filled), directory fsync, recovery scan (zero tail = clean end, torn tail cut, corruption refused)
+    codec.py      pure frame codec: length + CRC32C (a flush's first frame marked), encode/decode, segment header, token packing
+    segments.py   segment files (preallocated, zero-filled; written through core.fileio), recovery scan (zero tail = clean end, torn last flush cut, corruption refused)
     log.py        Log: appends + leader/follower group commit (pwrite + fdatasync) + segment roll, poisoned on I/O error
     index.py      per-trajectory token index: contiguity, no rewrite, idempotent repeats, durable reads
     envindex.py   per-sandbox environment index with the same rules

@@ -131,11 +131,16 @@ def measure(b: int = 512, rounds: int = 10, chunks: int = 40, chunk: int = 20, d
             after.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    ratio = statistics.median(a[0] / c[0] for a, c in pairs)  # steps/s after over before = CPU time before over after
+    ratios = sorted(a[0] / c[0] for a, c in pairs)  # steps/s after over before = CPU time before over after
+    ratio = statistics.median(ratios)
     wall = statistics.median(a[1] / c[1] for a, c in pairs)
+    half = 0.98 * len(ratios) ** 0.5  # distribution-free 95% interval of the median: order statistics n/2 -+ 1.96 sqrt(n)/2
+    lo, hi = ratios[max(0, int(len(ratios) / 2 - half))], ratios[min(len(ratios) - 1, int(len(ratios) / 2 + half))]
     return {"b": b, "rounds": rounds, "chunks_per_round": chunks, "steps_per_chunk": chunk, "before_commit": commit,
             "directory": "tmpfs" if str(base).startswith("/dev/shm") else str(base.parent),
             "before_steps_per_cpu_s": round(chunk / statistics.median(a[0] for a, _ in pairs), 1),
             "after_steps_per_cpu_s": round(chunk / statistics.median(c[0] for _, c in pairs), 1),
             "paired_ratio_after_vs_before": round(ratio, 4), "slowdown": round(1 - ratio, 4),
+            "paired_ratio_median_95ci": [round(lo, 4), round(hi, 4)], "pairs": len(ratios),
+            "paired_ratio_quartiles": [round(ratios[len(ratios) // 4], 4), round(ratios[3 * len(ratios) // 4], 4)],
             "wall_paired_ratio_after_vs_before": round(wall, 4)}
