@@ -1,9 +1,10 @@
 """What the I/O layer costs the WAL: the batched-decode step (append_step of B trajectories x 1 token,
 then commit) in this tree against the tree from before `core.fileio` existed, paired.
 
-Both trees run the same worker loop in their own process (started once); each round opens a fresh
-log in both and warms it up, then times chunks of a few steps alternately in one and the other
-(A B, then B A, …), so that the two chunks of a pair see the same load. The slowdown is 1 - the median
+Both trees run the same worker loop, each in its own process, started afresh every round (so that one
+process's luck in placement and memory layout does not bias the result); each round opens a fresh log
+in both and warms it up, then times chunks of a few steps alternately in one and the other (A B, then
+B A, …), so that the two chunks of a pair see the same load. The slowdown is 1 - the median
 over all pairs of the ratio of steps per CPU second of the worker process (CPU time, not wall time:
 on a shared 2-core machine the wall clock mostly measures the other jobs). The logs live on a tmpfs by default: there the
 step is all CPU (fsync of a tmpfs costs nothing), so any cost the layer adds shows at its full relative
@@ -113,11 +114,11 @@ def measure(b: int = 512, rounds: int = 10, chunks: int = 40, chunk: int = 20, d
     pairs = []
     try:
         commit = export_tree(rev, base / "before")
-        before, after = _Worker(base / "before", base, b, chunk), _Worker(ROOT, base, b, chunk)
-        try:
-            if Path(before.wal_dir).resolve() == Path(after.wal_dir).resolve():
-                raise AssertionError("both workers import the same wal package")
-            for _ in range(rounds):
+        for _ in range(rounds):  # fresh processes each round: a process's own luck (placement, layout) averages out
+            before, after = _Worker(base / "before", base, b, chunk), _Worker(ROOT, base, b, chunk)
+            try:
+                if Path(before.wal_dir).resolve() == Path(after.wal_dir).resolve():
+                    raise AssertionError("both workers import the same wal package")
                 before.ask("open"), after.ask("open")
                 for k in range(chunks):
                     if k % 2 == 0:
@@ -126,9 +127,9 @@ def measure(b: int = 512, rounds: int = 10, chunks: int = 40, chunk: int = 20, d
                         c, a = after.chunk(), before.chunk()
                     pairs.append((a, c))
                 before.ask("close"), after.ask("close")
-        finally:
-            before.close()
-            after.close()
+            finally:
+                before.close()
+                after.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     ratios = sorted(a[0] / c[0] for a, c in pairs)  # steps/s after over before = CPU time before over after
