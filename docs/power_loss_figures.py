@@ -37,7 +37,7 @@ def render(r: dict) -> str:
     if "error" in ab:
         lines += ["", f"WAL step A/B: not measured ({ab['error']})."]
     else:
-        lines += ["", f"WAL step A/B (B={ab['b']}, {ab['rounds']} fresh logs x {ab['chunks_per_round']} chunk pairs of "
+        lines += ["", f"WAL step A/B (B={ab['b']}, {ab['rounds']} rounds of fresh processes and logs x {ab['chunks_per_round']} chunk pairs of "
                       f"{ab['steps_per_chunk']} steps, logs on {ab['directory']}, before = `{ab['before_commit'][:12]}`): "
                       f"{ab['before_steps_per_cpu_s']} steps per CPU second before, {ab['after_steps_per_cpu_s']} after; "
                       f"median paired ratio {ab['paired_ratio_after_vs_before']} (slowdown {ab['slowdown']}; 95% interval of "
