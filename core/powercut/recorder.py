@@ -26,6 +26,7 @@ class Recorder:
     def __init__(self, root):
         self.root = os.path.abspath(root)
         os.makedirs(self.root, exist_ok=True)
+        self._real_root = os.path.realpath(self.root)  # what /proc/self/fd links name
         self.disk = Disk(track_live=True)
         self.ops: list[tuple] = []
         self.marks: list[tuple[int, object]] = []
@@ -120,7 +121,7 @@ class Recorder:
                 target = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:
                 return None
-            if target == self.root or target.startswith(self.root + os.sep):
+            if target == self._real_root or target.startswith(self._real_root + os.sep):
                 raise OutsideLayerError(f"{target} is written or synced through fd {fd}, which core.fileio did not open")
         return entry
 
