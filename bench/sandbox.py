@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench._device import cpu_name
+from bench._device import cpu_name, run_meta
 
 TOKEN = "bench-token"
 
@@ -178,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             "calls_per_s_8_clients": {"value": cps8, "goal": ">= 20", "met": cps8 >= 20},
         },
     }
+    result["meta"] = run_meta(result.get("device"))
     text = json.dumps(result, indent=None if args.json else 2)
     print(text)
     if args.out:

@@ -35,7 +35,7 @@ import numpy as np
 import wal
 from wal import codec
 
-from bench._device import cpu_name as device  # noqa: E402
+from bench._device import cpu_name as device, run_meta  # noqa: E402
 from bench._device import process_cpu_s  # noqa: E402
 
 
@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     result["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)  # the machine is shared: context for the figures
+    result["meta"] = run_meta(result.get("device"))
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from bench._device import cpu_name as device
+from bench._device import cpu_name as device, run_meta
 from bench._device import process_cpu_s as _cpu_s
 
 METHOD = "/floor.Echo/Stream"
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     result["bound"] = {"one_client_wall_us": wall1, "floor_cpu_us_4_clients": result["echo"]["clients4"]["cpu_us_per_step"],
                        "max_ratio_4_vs_1": round(cores * wall1 / result["echo"]["clients4"]["cpu_us_per_step"], 3)}
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    result["meta"] = run_meta(result.get("device"))
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:
