@@ -2,7 +2,7 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# torch first, pinned, so pip takes the CPU wheel lying on this machine instead of a multi-GB CUDA build.
+# torch first, pinned, so that on a CPU-only machine pip can take the CPU wheel instead of a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 

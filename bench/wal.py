@@ -7,7 +7,7 @@ step, one commit per step), once with one `append` per trajectory (`inproc_batch
 one `append_step` call per step (`inproc_step`); and two I/O references: the same bytes written over a
 zero-filled file + fdatasync (`raw_prealloc_fdatasync`, the WAL's own I/O pattern) and a 1-byte in-place
 rewrite + fdatasync (`floor_1byte_fdatasync`, the cheapest durable commit the disk allows). Configurations of one B are interleaved and repeated (`--rounds`), and
-the median is reported, because this machine is shared and noisy.
+the median is reported, because shared machines are noisy.
 
     python -m bench.wal --json         (or: postrain bench wal --json)
 """

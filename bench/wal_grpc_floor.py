@@ -1,12 +1,12 @@
-"""What Python gRPC alone costs per durable step: the floor under `grpc_4_clients_vs_1` on this machine.
+"""What Python gRPC alone costs per durable step: the floor under `grpc_4_clients_vs_1` on the machine it runs on.
 
 The WAL benchmark's gRPC target asks 4 clients to reach twice the tokens/s of 1. On C cores, 4 clients can at
 best keep every core busy, so
 
     ratio <= C x (wall time of one client's step) / (CPU time of one step, service + client, with 4 clients)
 
-This measures the right-hand side's denominator without the log: the same stream shape as the WAL service
-used until 2026-12-01 (sync server with gRPC's older poller; the service now runs on grpc.aio, see wal/server.py),
+This measures the right-hand side's denominator without the log: the stream shape of a WAL service on a
+sync gRPC server with gRPC's older poller (the service itself runs on grpc.aio, see wal/server.py),
 client stream on grpc.aio in the caller's thread, one request of the
 B=512 step's size, one 16-byte acknowledgement), the server doing nothing but acknowledge (`--mode echo`) or a
 `pwrite` + `fdatasync` of the request per message (`--mode fdatasync`, a log with no index, no checks and no

@@ -19,7 +19,7 @@ from learner.config import PolicyConfig
 from learner.grpo_config import GRPOConfig
 from learner.train_step import Collectives, Learner, PackedBatch, pick_device
 
-RESERVED_PORTS = {6379}  # Redis (and Ray's default GCS port) on this machine
+RESERVED_PORTS = {6379}  # Redis's default port, also Ray's default GCS port: often taken on the host
 
 
 def free_port(host: str = "127.0.0.1", attempts: int = 16) -> int:
