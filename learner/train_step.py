@@ -229,8 +229,8 @@ class LogprobModel(torch.nn.Module):
         self.chunk_rows = chunk_rows
         self.attention = attention  # a learner.packed_attention backend; None: the model's own
 
-    def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False,
-                with_entropy: bool = True, cu_seqlens_S1=None, max_seqlen: int | None = None):
+    def hidden(self, input_ids_N, position_ids_N, cu_seqlens_S1=None, max_seqlen: int | None = None):
+        """[N, H] last-layer hidden states after the final norm of a packed batch."""
         trunk = self.model.base_model
         if self.attention is None:
             attn = contextlib.nullcontext({})
@@ -240,8 +240,12 @@ class LogprobModel(torch.nn.Module):
             attn = use_packed_attention(self.model, self.attention, cu_seqlens_S1, max_seqlen)
         with attn as attn_kw:
             # use_cache=False: with a cache HF skips the packed-sequence (block-diagonal) mask.
-            hidden_NH = trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
-                              use_cache=False, **attn_kw).last_hidden_state[0]
+            return trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
+                         use_cache=False, **attn_kw).last_hidden_state[0]
+
+    def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False,
+                with_entropy: bool = True, cu_seqlens_S1=None, max_seqlen: int | None = None):
+        hidden_NH = self.hidden(input_ids_N, position_ids_N, cu_seqlens_S1, max_seqlen)
         weight_VH = self.model.get_output_embeddings().weight
         if temperature != 1.0:
             hidden_NH = hidden_NH / temperature  # (h / T) W^T = logits / T

@@ -24,22 +24,6 @@ BASE = ["sampling.max_new_tokens=12", "eval.max_new_tokens=12", "eval.n=16", "le
         "learner.device=cpu", "pool.workers=1", "loop.eval_every=0"]
 
 
-@pytest.fixture(scope="module")
-def reverse_base(tmp_path_factory):
-    """A tiny policy part-way through SFT on `reverse` (greedy pass@1 ≈ 0.6, sampled ≈ 0.2-0.4)."""
-    from deploy.job import run_sft
-    from deploy.job_config import JobConfig
-
-    out = tmp_path_factory.mktemp("sft")
-    cfg = config.load(JobConfig, None, ["policy.hidden_size=64", "policy.num_layers=2", "policy.intermediate_size=128",
-                                        "sft.domains=[\"reverse\"]", "sft.steps=260", "sft.threads=1", "sft.log_every=50",
-                                        # pinned: the shipped SFT defaults are tuned for the real base
-                                        "sft.lr=3e-3", "sft.batch_size=32", "sft.warmup_steps=20", "sft.seed=0",
-                                        "sft.weight_decay=0.01", "sft.grad_clip=1.0", "policy.seed=0"])
-    torch.set_num_threads(1)
-    return run_sft(cfg, out, quiet=True)
-
-
 def _rows(out, stage):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if f'"{stage}"' in line]
 
