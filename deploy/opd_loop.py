@@ -34,24 +34,13 @@ from core.errors import UserError
 from core.hf import resolve_checkpoint
 from core.rundir import RunDir
 from deploy.grpo_loop import _IterationSink, batch_name
+from deploy.mixture import domain_shares
 from deploy.opd_config import OPDLoopConfig
 from distill.cache import CacheMismatch, CacheRecord, cache_run, check
 from distill.teachers import Teacher, resolve_teachers, table_entries
 
 TIMING_KEYS = ("time_s", "rollout_s", "prefill_s", "train_s", "eval_s", "step_time_s", "iteration_s",
                "teacher_eval_s")
-
-
-def domain_shares(total: int, domains: list[str], weights: dict[str, float]) -> dict[str, int]:
-    """`total` prompts split over `domains` in proportion to `weights` (equal when empty), largest remainder."""
-    w = np.array([float(weights.get(d, 1.0 if not weights else 0.0)) for d in domains])
-    if (w < 0).any() or w.sum() <= 0:
-        raise UserError(f"opd: loop.domain_weights {weights} must be >= 0 with a positive sum over {domains}")
-    exact = total * w / w.sum()
-    base = np.floor(exact).astype(int)
-    for i in np.argsort(-(exact - base), kind="stable")[: total - int(base.sum())]:
-        base[i] += 1
-    return dict(zip(domains, base.tolist()))
 
 
 def make_requests(cfg: OPDLoopConfig, domains: list[str], iteration: int) -> list:

@@ -139,3 +139,19 @@ def test_bad_settings_are_one_clear_error(tmp_path, reverse_base):
         run_grpo(_cfg(), "reverse", reverse_base, tmp_path / "e", iterations=1)
     with pytest.raises(UserError, match="no GRPO run"):
         run_grpo(_cfg(), "reverse", reverse_base, tmp_path / "f", iterations=1, resume=True)
+
+
+def test_a_mixture_of_domains_shares_the_prompts_and_evaluates_each(tmp_path, reverse_base):
+    from deploy.grpo_loop import make_requests
+
+    cfg = _cfg("loop.prompts_per_iteration=5")
+    reqs = make_requests(cfg, ["arith", "reverse"], 0)
+    by = {d: [r for r in reqs if r.domain == d] for d in ("arith", "reverse")}
+    assert len(by["arith"]) == 3 * 4 and len(by["reverse"]) == 2 * 4  # 5 prompts x 4 samples, 3 + 2
+    assert make_requests(cfg, ["arith", "reverse"], 0) == reqs and make_requests(cfg, ["arith", "reverse"], 1) != reqs
+    run_grpo(_cfg(), ["arith", "reverse"], reverse_base, tmp_path / "mix", iterations=1, quiet=True)
+    ev = _rows(tmp_path / "mix", "eval")[-1]
+    assert ev["eval_pass_at_1"] == min(ev["eval_pass_at_1_arith"], ev["eval_pass_at_1_reverse"])
+    assert json.loads((tmp_path / "mix" / "grpo_run.json").read_text())["domain"] == "arith+reverse"
+    with pytest.raises(UserError, match="one domain at a time"):
+        run_grpo(_cfg("loop.replay_share=0.5"), ["arith", "reverse"], reverse_base, tmp_path / "x", iterations=1)
