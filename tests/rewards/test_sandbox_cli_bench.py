@@ -61,3 +61,33 @@ def test_call_and_log_subverbs(tmp_path):
         assert rows[0]["args"] == "37*41" and rows[0]["result"]["output"] == "1517" and rows[-1] == {"next_seq": 1}
     finally:
         srv.kill()
+
+
+@pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
+def test_serve_refuses_weaker_isolation_unless_allowed(tmp_path, monkeypatch):
+    """Without the seccomp layer (its binding made unimportable) the service names what is missing and
+    refuses; with --allow-weaker-isolation it starts, says so, and still runs tools isolated."""
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "pyseccomp.py").write_text("raise ImportError('libseccomp hidden for this test')\n")
+    monkeypatch.setenv("PYTHONPATH", str(shadow))
+    res = subprocess.run([sys.executable, "-m", "deploy.cli", "sandbox", "serve", "--log-dir", str(tmp_path / "a")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    for words in ("seccomp filter", "libseccomp hidden", "no nested user namespaces", "--allow-weaker-isolation"):
+        assert words in lines[0], lines[0]
+
+    from rewards.sandbox.client import SandboxClient
+    from rewards.sandbox.launch import ServerProcess
+
+    srv = ServerProcess(tmp_path / "b", "weak-token", extra=["--allow-weaker-isolation"])
+    try:
+        assert "WEAKER isolation, missing: seccomp filter" in srv.out_path.read_text()
+        with SandboxClient(srv.target, "weak-token", retries=0) as c:
+            code = "import os\nprint(os.getuid() > 0, open('/proc/self/status').read().count('Seccomp:\\t0'))\n"
+            out = c.execute("weak", 0, "python", code).result
+        assert out.ok and out.output.split() == ["True", "1"], out  # isolated, without the filter, as announced
+    finally:
+        srv.kill()
