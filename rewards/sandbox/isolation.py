@@ -82,6 +82,18 @@ print('Seccomp', status['Seccomp'].strip(), 'unshare', ctypes.get_errno() if rc 
 """
 
 
+def prelude_command(python: str, limits: Limits, uid: int, nproc: int) -> list[str]:
+    """The interpreter running the prelude: limits, drop to `uid` (-1: stay), wait for its program on stdin.
+    In a sandbox it is bubblewrap's command; the benchmark also runs it bare, as the unsandboxed baseline."""
+    numbers = (uid, limits.cpu_s, limits.address_space_bytes, nproc, limits.file_size_bytes)
+    return [python, "-I", "-S", "-c", _PRELUDE, *map(str, numbers)]
+
+
+def encode_program(code: str, args: list[str]) -> bytes:
+    """What the prelude reads on stdin: the program's source and its argv."""
+    return marshal.dumps((code, list(args)))
+
+
 class IsolationUnavailable(RuntimeError):
     """bubblewrap (or prlimit/setpriv) is missing or cannot create namespaces here, or a required layer
     (the seccomp filter, no nested user namespaces) is missing and weaker isolation was not accepted."""
@@ -260,10 +272,8 @@ class Isolator:
         and no_new_privs (set by bwrap) forbids regaining one."""
         nproc = limits.processes if self.as_root else limits.processes + len(_tasks_of_uid(os.getuid()))
         caps = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if self.as_root else []
-        numbers = [str(v) for v in (uid if self.as_root else -1, limits.cpu_s, limits.address_space_bytes, nproc,
-                                    limits.file_size_bytes)]
         return [self.bwrap, *self._mounts(python, limits), *self._namespaces(), *caps, "--",
-                python, "-I", "-S", "-c", _PRELUDE, *numbers]
+                *prelude_command(python, limits, uid if self.as_root else -1, nproc)]
 
     def prestart(self, python: str, limits: Limits, slot: int) -> subprocess.Popen:
         """Start a Python sandbox for slot `slot` that boots (namespaces, mounts, interpreter, limits, uid
@@ -281,8 +291,8 @@ class Isolator:
             if started is not None:
                 self.discard(started)
             started = self.prestart(python, limits, slot)
-        program = marshal.dumps((code, list(args)))
-        return self._collect(started, limits, UID_BASE + slot, time.monotonic(), program)
+        program = encode_program(code, args)
+        return self.collect(started, limits, UID_BASE + slot, time.monotonic(), program)
 
     def discard(self, proc: subprocess.Popen) -> None:
         """Kill and reap a sandbox that will not be used."""
@@ -297,9 +307,9 @@ class Isolator:
         _check_slot(slot)
         start = time.monotonic()
         proc = self._popen(self.argv(command, limits, UID_BASE + slot))
-        return self._collect(proc, limits, UID_BASE + slot, start, stdin)
+        return self.collect(proc, limits, UID_BASE + slot, start, stdin)
 
-    def _collect(self, proc: subprocess.Popen, limits: Limits, uid: int, start: float, stdin: bytes) -> RunOutcome:
+    def collect(self, proc: subprocess.Popen, limits: Limits, uid: int, start: float, stdin: bytes) -> RunOutcome:
         """Feed `stdin`, then read bounded output until exit, the wall clock or the output bound."""
         deadline = start + limits.wall_s
         if len(stdin) > PIPE_BYTES:

@@ -28,13 +28,19 @@ def test_serve_refuses_bad_options_in_one_line(tmp_path, argv, words):
 def test_bench_sandbox_smoke(capsys):
     from bench import sandbox
 
-    assert sandbox.main(["--json", "--calls-1", "4", "--calls-8", "8", "--rounds", "1"]) == 0
+    assert sandbox.main(["--json", "--pairs", "3", "--calls-1", "4", "--calls-8", "8", "--rounds", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert set(out["targets"]) == {"isolation_overhead_p50_ms", "calls_per_s_8_clients"}
+    assert set(out["targets"]) == {"isolation_overhead_cold_p50_ms", "isolation_overhead_warm_p50_ms",
+                                   "calls_per_s_8_clients"}
     for t in out["targets"].values():
         assert set(t) == {"value", "goal", "met"} and isinstance(t["met"], bool)
-    assert out["sandbox_8_clients"]["calls"] == 8 and out["plain_subprocess_1_client"]["calls"] == 4
-    assert out["targets"]["calls_per_s_8_clients"]["value"] == out["sandbox_8_clients"]["calls_per_s"]
+    assert out["sandbox_service_8_clients"]["calls"] == 8 and out["plain_subprocess_1_client"]["calls"] == 4
+    assert out["targets"]["calls_per_s_8_clients"]["value"] == out["sandbox_service_8_clients"]["calls_per_s"]
+    for mode in ("cold", "warm"):
+        fig = out[f"isolation_{mode}"]
+        assert fig["sandboxed"]["calls"] == fig["bare"]["calls"] == 3
+        assert out["targets"][f"isolation_overhead_{mode}_p50_ms"]["value"] == fig["overhead_p50_ms"]
+    assert out["git_commit"] and out["date_utc"].endswith("Z") and "cores" in out["device"]
 
 
 @pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
