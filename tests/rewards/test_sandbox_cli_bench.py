@@ -97,3 +97,13 @@ def test_serve_refuses_weaker_isolation_unless_allowed(tmp_path, monkeypatch):
         assert out.ok and out.output.split() == ["True", "1"], out  # isolated, without the filter, as announced
     finally:
         srv.kill()
+
+
+def test_docs_figures_match_the_committed_results():
+    """docs/sandbox.md's table is generated from bench/results/sandbox.json, never edited by hand."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    res = subprocess.run([sys.executable, str(root / "docs/sandbox_figures.py"), "--check"], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 0, "docs/sandbox.md is stale: run python docs/sandbox_figures.py"
