@@ -274,10 +274,13 @@ def test_foreign_abi_system_calls_kill_the_tool(env):
 # -- signals ------------------------------------------------------------------------------------------
 
 def test_signals_reach_no_other_process(env):
-    # Victims: a host process under every execution uid (same uid as the attacker: only the pid namespace
-    # protects it), the service itself, and a neighbour sandbox running a long call on another slot.
-    victims = [subprocess.Popen(["sleep", "60"], user=UID_BASE + s, group=UID_BASE + s, extra_groups=[])
-               for s in range(MAX_CONCURRENT)] if os.geteuid() == 0 else []
+    # Victims: a host process under an unprivileged uid, the service itself, and a neighbour sandbox running a
+    # long call on another slot. ESRCH, not EPERM, shows the pid namespace hides them (not only the uid).
+    # (The victim's uid lies in the sandbox range but above any slot: other services on this machine sweep
+    # the slot uids after a killed run.)
+    victim_uid = UID_BASE + 250
+    victims = [subprocess.Popen(["sleep", "60"], user=victim_uid, group=victim_uid, extra_groups=[])
+               ] if os.geteuid() == 0 else []
     neighbour = {}
 
     def long_call():
