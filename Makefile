@@ -18,12 +18,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# bubblewrap isolates sandboxed tool calls; installed where we can, reported clearly where we cannot.
+# bubblewrap isolates sandboxed tool calls and libseccomp compiles their syscall filter; installed where
+# we can, reported clearly where we cannot.
 sandbox-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libseccomp.so.2; } || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "postrain: could not install bubblewrap; sandbox isolation tests will be skipped"; \
-	  else echo "postrain: bubblewrap (bwrap) not found and not root: install it (apt-get install bubblewrap) for sandbox isolation"; fi; }
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2 >/dev/null) || echo "postrain: could not install bubblewrap/libseccomp2; sandbox isolation tests will be skipped"; \
+	  else echo "postrain: bubblewrap (bwrap) or libseccomp2 not found and not root: install them (apt-get install bubblewrap libseccomp2) for sandbox isolation"; fi; }
 
 run: $(STAMP)
 	$(BIN)/postrain job --name default

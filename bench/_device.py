@@ -1,4 +1,4 @@
-"""The device line every benchmark JSON carries, and a process's CPU time."""
+"""The device line every benchmark JSON carries, the commit it measured, and a process's CPU time."""
 from __future__ import annotations
 
 import os

@@ -7,12 +7,18 @@ renamed into place and the root fsynced, so a crash leaves either the old set or
   rng.pt            one RNG state per learner rank (python, numpy, torch CPU, CUDA)
   state.json        iteration, policy version, step, world size, sha256 of every file above
 `ROOT/latest` names the newest complete checkpoint (written atomically after the rename).
+
+A checkpoint is data and never runs code when loaded: the weights are safetensors; trainer.pt and
+rng.pt hold only tensors, numbers, strings and plain containers (the numpy RNG state is stored as a
+tensor) and are read with `torch.load(weights_only=True)`, which refuses any other pickled object.
+The sha256 list detects corruption, not tampering: whoever can write the files can rewrite it.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -23,11 +29,14 @@ import torch
 from core.atomic import fsync_dir, write_atomic
 from core.errors import UserError
 
-FORMAT = 1
+FORMAT = 2  # 1 stored numpy objects, which only a full (code-running) unpickler reads
 
 
 def capture_rng() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG state of this process, in types `torch.load(weights_only=True)` accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,7 +44,8 @@ def capture_rng() -> dict:
 
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -119,7 +129,8 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
         path = found
     state = json.loads((path / "state.json").read_text())
     if state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT}")
+        raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT} "
+                        "(format 1 held pickled objects, which are not loaded: loading them could run code)")
     if verify:
         for rel, digest in state["sha256"].items():
             f = path / rel
@@ -155,7 +166,19 @@ def load_into(path: str | Path, model, learner, rank: int = 0) -> dict:
     state = read_checkpoint(path)
     ckpt = Path(state["path"])
     load_weights(model, ckpt / "model")
-    learner.load_state(torch.load(ckpt / "trainer.pt", weights_only=False))
-    rngs = torch.load(ckpt / "rng.pt", weights_only=False)
+    learner.load_state(load_data(ckpt / "trainer.pt"))
+    rngs = load_data(ckpt / "rng.pt")
     restore_rng(rngs[rank % len(rngs)])
     return state
+
+
+def load_data(path: Path):
+    """A torch.save file of tensors and plain containers; anything else is refused, never constructed."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is long advice on how to load it anyway; keep only the line naming the object
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines else type(exc).__name__)
+        raise UserError(f"checkpoint file {path} holds objects other than tensors and plain data; refused "
+                        f"(loading it could run code): {why}") from None
