@@ -15,6 +15,7 @@ SHIPPED: dict[str, str] = {
     "dataplane": "dataplane.config:DataPlaneConfig",
     "grpo_loop": "deploy.grpo_config:GRPOLoopConfig",
     "opd": "deploy.opd_config:OPDLoopConfig",
+    "pipeline": "deploy.pipeline_config:PipelineConfig",
 }
 
 

@@ -122,6 +122,8 @@ class Pipeline:
             if manifest.read(d) is not None or reason.startswith("output"):
                 self._say(f"{stage}: runs again: {reason}")
             (d / manifest.NAME).unlink(missing_ok=True)
+            if reason != "not finished" and d.exists():
+                shutil.rmtree(d)  # made from other settings or inputs: nothing in it may be resumed
             s0 = time.monotonic()
             outputs, extra = getattr(self, f"_stage_{stage}")(d)
             manifest.write(d, settings=settings, inputs=inputs, outputs=outputs, wall_s=time.monotonic() - s0,

@@ -123,7 +123,8 @@ def to_markdown(rep: dict, images: dict[str, Path], run_dir: Path) -> str:
         lines += ["", "Specialist gain over the base: " + ", ".join(f"{d} {g:+.3f}" for d, g in rep["specialist_gain"].items())]
     lines += ["", "| stage | status | wall time |", "| --- | --- | --- |"]
     for s, v in rep["stages"].items():
-        lines.append(f"| {s} | {v['status']} | {'' if v['wall_s'] is None else f'{v['wall_s']:.0f} s'} |")
+        wall = "" if v["wall_s"] is None else f"{v['wall_s']:.0f} s"
+        lines.append(f"| {s} | {v['status']} | {wall} |")
     if rep["wall_min"] is not None:
         lines.append(f"| **total** | | {rep['wall_min']:.1f} min |")
     f = rep["faults"]
