@@ -27,7 +27,7 @@ sandbox-deps:
 	  else echo "postrain: bubblewrap (bwrap) or libseccomp2 not found and not root: install them (apt-get install bubblewrap libseccomp2) for sandbox isolation"; fi; }
 
 run: $(STAMP)
-	$(BIN)/postrain job --name default
+	$(BIN)/postrain pipeline --name default
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

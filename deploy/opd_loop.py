@@ -184,7 +184,7 @@ class OPDLoop:
             if not self._complete(k, len(requests)):
                 self._drop(batch_name(k))
                 roll = self._rollout(k, requests)
-            sampled = self._sampled(k)
+            sampled = self._sampled(k, requests)
             cache = self._fill(k, sampled)
             t_train = time.monotonic()
             train = self._train(k, sampled)
@@ -260,14 +260,15 @@ class OPDLoop:
                 self._drop(batch_name(k))
                 self._drop(cache_run(batch_name(k)))
 
-    def _sampled(self, k: int) -> list:
+    def _sampled(self, k: int, requests: list) -> list:
         """Batch k's trajectories from the data plane (tokens, mask, behaviour log-probs, token hash)."""
         from distill.prefill import Sampled
 
+        asked = {r.traj_id: r for r in requests}
         sel = self.dp.select(run=batch_name(k))
         hashes = self.dp.meta(sel.ids)
         version = dict(zip(sel.ids.tolist(), sel.policy_min.tolist()))
-        plan = self.dp.plan(sel, tokens_per_rank=max(1, int(sel.length.max())), ranks=1)
+        plan = self.dp.plan(sel, tokens_per_rank=max(1, sel.num_tokens), ranks=1)  # one pass over the batch
         out = []
         for b in self.dp.loader(plan, rank=0, prefetch=0):
             cu = b.cu_seqlens.tolist()
@@ -276,7 +277,11 @@ class OPDLoop:
                 if traj not in hashes:
                     raise UserError(f"opd: trajectory {traj!r} has no token hash in the catalog; was it written by an "
                                     "older postrain? start a fresh --out")
-                out.append(Sampled(traj, traj.split("-", 1)[0], "", b.input_ids[lo:hi].numpy().astype(np.int32),
+                if traj not in asked:
+                    raise UserError(f"opd: the data plane holds trajectory {traj!r} that iteration {k} did not ask "
+                                    "for; is another run writing into this catalog?")
+                out.append(Sampled(traj, asked[traj].domain, asked[traj].prompt,
+                                   b.input_ids[lo:hi].numpy().astype(np.int32),
                                    b.loss_mask[lo:hi].numpy().astype(np.uint8), b.logprobs[lo:hi].numpy().copy(),
                                    hashes[traj]["tokens_hash"], int(version[traj]), float(b.reward[j])))
         return sorted(out, key=lambda s: s.traj_id)
