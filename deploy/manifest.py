@@ -12,27 +12,9 @@ import json
 from pathlib import Path
 
 from core.atomic import write_atomic
+from core.digest import sha256_tree
 
 NAME = "manifest.json"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_tree(path: Path) -> str:
-    """A file's sha256, or of a directory: every file's relative name and sha256, in order."""
-    path = Path(path)
-    if path.is_file():
-        return sha256_file(path)
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        h.update(f"{f.relative_to(path)}\0{sha256_file(f)}\n".encode())
-    return h.hexdigest()
 
 
 def settings_hash(settings) -> str:

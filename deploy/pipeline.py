@@ -24,6 +24,7 @@ from pathlib import Path
 import rewards
 from core import config
 from core.atomic import write_atomic
+from core.digest import sha256_tree
 from core.errors import UserError
 from deploy import manifest
 from deploy.pipeline_config import STAGES, PipelineConfig
@@ -257,7 +258,7 @@ class Pipeline:
         if not marker.is_file():
             return False
         try:
-            return json.loads(marker.read_text())["final_sha256"] == manifest.sha256_tree(out / "final")
+            return json.loads(marker.read_text())["final_sha256"] == sha256_tree(out / "final")
         except (ValueError, KeyError, OSError):
             return False
 
@@ -315,7 +316,7 @@ class Pipeline:
                 raise UserError(f"pipeline stage specialists: GRPO on {dom} failed (exit {code}); log {proc.log}: "
                                 f"{' | '.join(tail)}")
             write_atomic(proc.out / "done.json",
-                         json.dumps({"final_sha256": manifest.sha256_tree(proc.out / "final")}).encode())
+                         json.dumps({"final_sha256": sha256_tree(proc.out / "final")}).encode())
             self._say(f"specialists: {dom}: done")
         if len(still) == len(running):
             time.sleep(0.5)

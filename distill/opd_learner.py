@@ -29,7 +29,7 @@ from distill.cache import FIELD, CacheMismatch
 from distill.heads import HeadScheduler
 from distill.opd_config import OPDTrainConfig
 from distill.teachers import Teacher
-from learner.optim import build_optimizer
+from learner.optim import Optimised
 from learner.packed_attention import pick_backend
 from learner.train_step import Collectives, LogprobModel, pick_device
 
@@ -69,7 +69,7 @@ def _micro(batch, budget: int) -> list[slice]:
     return out
 
 
-class OPDLearner:
+class OPDLearner(Optimised):
     """Owns the student, its optimizer and schedule; `plan_step` applies one OPD update."""
 
     def __init__(self, model: torch.nn.Module, cfg: OPDTrainConfig, collectives: Collectives | None = None,
@@ -80,9 +80,7 @@ class OPDLearner:
         self.model = model.to(self.device).train()
         self.core = LogprobModel(self.model, cfg.learner.logprob_chunk_rows, pick_backend("auto", self.device))
         self.coll = collectives or Collectives(1)
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
-        self.step = 0
-        self.policy_version = 0
+        self.init_optimiser()
         self.teachers: dict[str, Teacher] = {}
         self.heads: HeadScheduler | None = None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" and cfg.learner.bf16
@@ -106,7 +104,7 @@ class OPDLearner:
         hash of the tokens each cache row must hold (checked against the loaded tokens)."""
         t0 = time.perf_counter()
         metrics = self.accumulate_gradients(rank, plan, minibatch, tokens_hash)
-        grad_norm = self._clip()
+        grad_norm = self.clip()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -228,23 +226,6 @@ class OPDLearner:
         for p in params:
             p.grad.mul_(scale)
 
-    def _clip(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.cfg.optim.grad_clip > 0:
-            foreach = None if self.device.type == "cuda" else False
-            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-
-    # -- state for checkpoints ---------------------------------------------------------------------
-    def state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "step": self.step, "policy_version": self.policy_version}
-
-    def load_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.policy_version = int(state["policy_version"])
 
 
 def opd_learner(model, cfg: OPDTrainConfig, collectives: Collectives, wrap) -> OPDLearner:

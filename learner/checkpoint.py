@@ -15,7 +15,6 @@ The sha256 list detects corruption, not tampering: whoever can write the files c
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from core.atomic import fsync_dir, write_atomic
+from core.digest import sha256_file
 from core.errors import UserError
 
 FORMAT = 2  # 1 stored numpy objects, which only a full (code-running) unpickler reads
@@ -49,14 +49,6 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -91,7 +83,7 @@ def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     state = {"format": FORMAT, "iteration": iteration, "policy_version": int(trainer_state["policy_version"]),
              "step": int(trainer_state["step"]), "world_size": len(rng_states),
-             "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+             "sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files}}
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
     _fsync_tree(tmp)
     if final.exists():  # re-saving an iteration: move the old one aside, then drop it once the new is in place
@@ -136,7 +128,7 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
             f = path / rel
             if not f.is_file():
                 raise UserError(f"checkpoint {path}: file {rel} is missing")
-            if _sha256(f) != digest:
+            if sha256_file(f) != digest:
                 raise UserError(f"checkpoint {path}: file {rel} fails its checksum (corrupt); use an older checkpoint")
     state["path"] = str(path)
     return state
