@@ -2,7 +2,7 @@
 PY ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# torch first, pinned, so pip takes the CPU wheel lying on this machine instead of a multi-GB CUDA build.
+# torch first, pinned, so that on a CPU-only machine pip can take the CPU wheel instead of a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
@@ -18,15 +18,16 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# bubblewrap isolates sandboxed tool calls; installed where we can, reported clearly where we cannot.
+# bubblewrap isolates sandboxed tool calls and libseccomp compiles their syscall filter; installed where
+# we can, reported clearly where we cannot.
 sandbox-deps:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap >/dev/null 2>&1 && ldconfig -p 2>/dev/null | grep -q libseccomp.so.2; } || { \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-	    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || echo "postrain: could not install bubblewrap; sandbox isolation tests will be skipped"; \
-	  else echo "postrain: bubblewrap (bwrap) not found and not root: install it (apt-get install bubblewrap) for sandbox isolation"; fi; }
+	    (apt-get update -qq && apt-get install -y -qq bubblewrap libseccomp2 >/dev/null) || echo "postrain: could not install bubblewrap/libseccomp2; sandbox isolation tests will be skipped"; \
+	  else echo "postrain: bubblewrap (bwrap) or libseccomp2 not found and not root: install them (apt-get install bubblewrap libseccomp2) for sandbox isolation"; fi; }
 
 run: $(STAMP)
-	$(BIN)/postrain job --name default
+	$(BIN)/postrain pipeline --name default
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._device import cpu_name
+from bench._device import cpu_name, run_meta
 
 
 def _status_mb(key: str) -> float:
@@ -310,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         out["error"] = f"a measurement failed, see sizes: {type(exc).__name__}: {exc}"
     out["load_avg_end"] = os.getloadavg()[0]
     out["wall_s"] = time.perf_counter() - t_start
+    out["meta"] = run_meta(out.get("device"))
     text = json.dumps(out, indent=None if a.json else 2)
     print(text)
     if a.out:

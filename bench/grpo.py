@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
 
         raise UserError(f"bench grpo --micro-batch-tokens must be >= 1, got {a.micro_batch_tokens}")
     res = run(kind, max(1, a.steps), a.attn, a.compile, a.micro_batch_tokens)
+    from bench._device import run_meta
+
+    res["meta"] = run_meta(res.get("device"))
     text = json.dumps(res, indent=2, sort_keys=True, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
     if a.out:
         from core.atomic import write_atomic

@@ -1,6 +1,6 @@
 """Full-vocabulary reverse KL: forward+backward time and peak extra memory against named baselines.
 
-On CUDA (the issue's setting: bf16, V = 129,280, H = 4,096, N in {4,096, 16,384}):
+On CUDA (the shape of the targets: bf16, V = 129,280, H = 4,096, N in {4,096, 16,384}):
 - `eager`: PyTorch with materialised logits (bf16 GEMM output, log-softmax in fp32);
 - `compile`: `torch.compile` of the same function;
 - `liger`: Liger-Kernel's `LigerFusedLinearJSD(jsd_beta=1.0)` (reverse KL), where installed;
@@ -36,7 +36,7 @@ def _log(msg: str) -> None:
     print(f"[bench.kl {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-from bench._device import cpu_name as _cpu_name  # noqa: E402
+from bench._device import cpu_name as _cpu_name, run_meta  # noqa: E402
 from bench import kl_floor  # noqa: E402
 from bench.kl_floor import gpu_ms as _gpu_ms  # noqa: E402
 
@@ -415,7 +415,7 @@ def run_cpu() -> dict:
     V, H = 8192, 256
     res = dict(device=_cpu_name(), cpu_run=True,
                note="CPU run: small shapes, chunked torch path vs eager; the speed and memory targets "
-                    "apply to the H200 run only (bench/results/kl.json)",
+                    "apply to the H200 run only (bench/results/kl_h200.json)",
                shape=dict(V=V, H=H, dtype="float32", N=[256, 1024]), results={})
     for N in (256, 1024):
         x = _inputs(N, V, H, torch.float32, "cpu")
@@ -450,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
 
     res = run_cuda(args.quick, args.profile, not args.no_tune) if torch.cuda.is_available() else run_cpu()
     res["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    res["meta"] = run_meta(res.get("device"))
     text = json.dumps(res, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from bench._device import run_meta
+
 GOALS = {
     "engine_vs_hf_generate_cpu": (">= 1", lambda v: v >= 1),
     "engine_vs_hf_generate_h200_b64": (">= 5", lambda v: v >= 5),
@@ -334,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "wal_overhead_share_b64_h200": _target("wal_overhead_share_b64_h200", gpu and gpu.get("wal", {}).get("wal_overhead_share"),
                                                gpu_note or "one WAL commit per decode step (group_steps=1); gpu.wal_group4/8 commit every 4/8 steps"),
     }
+    res["meta"] = run_meta(res.get("device"))
     text = json.dumps(res, indent=2)
     print(text)
     if args.out:

@@ -7,7 +7,7 @@ step, one commit per step), once with one `append` per trajectory (`inproc_batch
 one `append_step` call per step (`inproc_step`); and two I/O references: the same bytes written over a
 zero-filled file + fdatasync (`raw_prealloc_fdatasync`, the WAL's own I/O pattern) and a 1-byte in-place
 rewrite + fdatasync (`floor_1byte_fdatasync`, the cheapest durable commit the disk allows). Configurations of one B are interleaved and repeated (`--rounds`), and
-the median is reported, because this machine is shared and noisy.
+the median is reported, because shared machines are noisy.
 
     python -m bench.wal --json         (or: postrain bench wal --json)
 """
@@ -35,7 +35,7 @@ import numpy as np
 import wal
 from wal import codec
 
-from bench._device import cpu_name as device  # noqa: E402
+from bench._device import cpu_name as device, run_meta  # noqa: E402
 from bench._device import process_cpu_s  # noqa: E402
 
 
@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
     result["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)  # the machine is shared: context for the figures
+    result["meta"] = run_meta(result.get("device"))
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")

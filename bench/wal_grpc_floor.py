@@ -1,12 +1,12 @@
-"""What Python gRPC alone costs per durable step: the floor under `grpc_4_clients_vs_1` on this machine.
+"""What Python gRPC alone costs per durable step: the floor under `grpc_4_clients_vs_1` on the machine it runs on.
 
 The WAL benchmark's gRPC target asks 4 clients to reach twice the tokens/s of 1. On C cores, 4 clients can at
 best keep every core busy, so
 
     ratio <= C x (wall time of one client's step) / (CPU time of one step, service + client, with 4 clients)
 
-This measures the right-hand side's denominator without the log: the same stream shape as the WAL service
-used until 2026-12-01 (sync server with gRPC's older poller; the service now runs on grpc.aio, see wal/server.py),
+This measures the right-hand side's denominator without the log: the stream shape of a WAL service on a
+sync gRPC server with gRPC's older poller (the service itself runs on grpc.aio, see wal/server.py),
 client stream on grpc.aio in the caller's thread, one request of the
 B=512 step's size, one 16-byte acknowledgement), the server doing nothing but acknowledge (`--mode echo`) or a
 `pwrite` + `fdatasync` of the request per message (`--mode fdatasync`, a log with no index, no checks and no
@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from bench._device import cpu_name as device
+from bench._device import cpu_name as device, run_meta
 from bench._device import process_cpu_s as _cpu_s
 
 METHOD = "/floor.Echo/Stream"
@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     result["bound"] = {"one_client_wall_us": wall1, "floor_cpu_us_4_clients": result["echo"]["clients4"]["cpu_us_per_step"],
                        "max_ratio_4_vs_1": round(cores * wall1 / result["echo"]["clients4"]["cpu_us_per_step"], 3)}
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
+    result["meta"] = run_meta(result.get("device"))
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -7,5 +7,6 @@
     config.py     typed configs: the pydantic base, TOML/YAML files, --set overrides, one-line errors
     progress.py   rich progress bars that fall back to quiet lines when not a TTY
     rundir.py     a run directory: resolved config, metrics.jsonl, PNG plots
+    digest.py     sha256 of a file or a directory tree
     hf.py         HF checkpoints: load/save model and tokenizer, a run directory's final/ as a checkpoint
 """

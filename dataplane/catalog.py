@@ -3,17 +3,19 @@ One class for every backend; the backend module (`sqlite`, `postgres`) supplies 
 bytewise collation and insert-or-ignore. The schema version is checked at open."""
 from __future__ import annotations
 
+import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from sqlalchemy import collate, delete, func, inspect, select, update
+from sqlalchemy import collate, delete, func, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
 from dataplane import postgres, sqlite
 from dataplane.errors import BadRecordError, DataPlaneError, SchemaVersionError
-from dataplane.schema import SCHEMA_VERSION, meta, metadata, policy_versions, runs, shards, trajectories
+from dataplane.schema import (MIGRATIONS, SCHEMA_VERSION, meta, metadata, policy_versions, runs, shards,
+                              trajectories)
 from dataplane.types import STATUSES, Selection
 
 T = trajectories
@@ -57,9 +59,23 @@ class Catalog:
                 self.backend_insert_ignore(conn, meta, [{"key": "schema_version", "value": str(SCHEMA_VERSION)}])
         with self.engine.connect() as conn:
             found = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+        if found is not None and found.isdigit() and int(found) in MIGRATIONS:
+            found = self._migrate(int(found))
         if found != str(SCHEMA_VERSION):
             raise SchemaVersionError(f"catalog {self._safe_url()} has schema version {found!r}; this postrain reads "
                                      f"version {SCHEMA_VERSION}: use a fresh catalog or migrate it")
+
+    def _migrate(self, version: int) -> str:
+        """Bring a catalog of an older schema version to SCHEMA_VERSION, one transaction per step."""
+        while version in MIGRATIONS:
+            with self._writing() as conn:
+                current = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
+                if current == str(version):  # another process may have migrated it meanwhile
+                    for stmt in MIGRATIONS[version]:
+                        conn.execute(text(stmt))
+                    conn.execute(update(meta).where(meta.c.key == "schema_version").values(value=str(version + 1)))
+            version += 1
+        return str(version)
 
     @contextmanager
     def _writing(self):
@@ -194,6 +210,20 @@ class Catalog:
             shard_paths=[paths[s] for s in shard_ids],
             teachers=[teacher_names[c] for c in sorted(teacher_names)],
         )
+
+    def meta(self, ids) -> dict[str, dict]:
+        """The `meta` object of each trajectory in `ids` that has one."""
+        ids = [str(i) for i in ids]
+        out: dict[str, dict] = {}
+        with self.engine.connect() as conn:
+            for k in range(0, len(ids), 10_000):
+                stmt = select(T.c.id, T.c.meta).where(T.c.id.in_(ids[k:k + 10_000]), T.c.meta.is_not(None))
+                for traj, raw in self._fetch(conn, stmt):
+                    try:
+                        out[traj] = json.loads(raw)
+                    except ValueError:
+                        raise DataPlaneError(f"trajectory {traj!r}: its catalog meta is not JSON") from None
+        return out
 
     def ids_between(self, seq_lo: int, seq_hi: int) -> tuple[np.ndarray, np.ndarray]:
         """(seq, id) of every catalogued trajectory with seq_lo <= seq <= seq_hi."""

@@ -3,6 +3,7 @@ shard is durable (shard first, then one catalog transaction); `select` / `plan` 
 `loader` streams heavy fields per minibatch."""
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 
@@ -19,6 +20,15 @@ from dataplane.types import STATUSES, Plan, Selection, TrajectoryRecord
 def _row_bytes(rec: TrajectoryRecord) -> int:
     extra = sum(getattr(v, "nbytes", 0) or np.asarray(v).nbytes for v in rec.extras.values())
     return rec.length * 9 + extra
+
+
+def _meta_json(rec: TrajectoryRecord) -> str | None:
+    if rec.meta is None:
+        return None
+    try:
+        return json.dumps(rec.meta, sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise BadRecordError(f"trajectory {rec.id!r}: meta is not JSON-able: {exc}") from None
 
 
 class DataPlane:
@@ -46,6 +56,8 @@ class DataPlane:
                 raise BadRecordError(f"trajectory {r.id!r}: policy range [{r.policy_min}, {r.policy_max}] is not ordered")
             if not np.isfinite(r.reward):
                 raise BadRecordError(f"trajectory {r.id!r}: reward {r.reward} is not finite")
+            if r.meta is not None and not isinstance(r.meta, dict):
+                raise BadRecordError(f"trajectory {r.id!r}: meta must be a dict, got {type(r.meta).__name__}")
         chunks, by_run = [], defaultdict(list)
         for r in records:
             by_run[r.run].append(r)
@@ -68,7 +80,7 @@ class DataPlane:
             rows = [{"id": r.id, "run": r.run, "domain": r.domain, "prompt": r.prompt, "group_id": r.group_id,
                      "length": r.length, "policy_min": int(r.policy_min), "policy_max": int(r.policy_max),
                      "reward": float(r.reward), "status": r.status, "teacher_id": r.teacher_id, "row": i,
-                     "checksum": c} for i, (r, c) in enumerate(zip(recs, checksums))]
+                     "checksum": c, "meta": _meta_json(r)} for i, (r, c) in enumerate(zip(recs, checksums))]
             try:
                 self.catalog.insert_shard({"path": rel, "run": run, "rows": len(recs), "bytes": nbytes,
                                            "checksum": crc}, rows)
@@ -93,6 +105,10 @@ class DataPlane:
                teacher=None) -> Selection:
         return self.catalog.select(run=run, domain=domain, status=status, policy_min=policy_min,
                                    policy_max=policy_max, teacher=teacher)
+
+    def meta(self, ids) -> dict[str, dict]:
+        """The catalog `meta` of each trajectory in `ids` that has one (metadata only)."""
+        return self.catalog.meta(ids)
 
     def plan(self, selection: Selection | None = None, *, tokens_per_rank: int, ranks: int = 1, seed: int = 0,
              epoch: int = 0, group_aware: bool = False, by_teacher: bool = False, **filters) -> Plan:

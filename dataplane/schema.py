@@ -1,10 +1,11 @@
-"""Catalog tables (SQLAlchemy Core). Bump SCHEMA_VERSION on any change; `Catalog` refuses other versions."""
+"""Catalog tables (SQLAlchemy Core). Bump SCHEMA_VERSION on any change and add its step to MIGRATIONS;
+`Catalog` migrates older versions in place and refuses unknown ones."""
 from __future__ import annotations
 
 from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text,
                         UniqueConstraint)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # SQLite only aliases the rowid for a column typed exactly INTEGER PRIMARY KEY.
 Key = BigInteger().with_variant(Integer(), "sqlite")
@@ -57,6 +58,7 @@ trajectories = Table(
     Column("reward", Float, nullable=False),
     Column("status", String(16), nullable=False),
     Column("teacher_id", String(200), nullable=True),
+    Column("meta", Text, nullable=True),  # JSON object of small per-trajectory facts (e.g. a cache record)
     Column("shard_id", Key, ForeignKey("dp_shards.id"), nullable=False),
     Column("row", Integer, nullable=False),
     Column("checksum", BigInteger, nullable=False),
@@ -65,3 +67,8 @@ trajectories = Table(
     Index("dp_trajectories_select", "run", "domain", "status"),
     Index("dp_trajectories_shard", "shard_id"),
 )
+
+# version -> SQL statements that bring a catalog of that version to the next one
+MIGRATIONS: dict[int, list[str]] = {
+    1: ["ALTER TABLE dp_trajectories ADD COLUMN meta TEXT"],
+}

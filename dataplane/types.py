@@ -36,6 +36,7 @@ class TrajectoryRecord:
     status: str = "complete"
     teacher_id: str | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] | None = None  # small JSON-able facts kept in the catalog row (not per token)
 
     @property
     def length(self) -> int:

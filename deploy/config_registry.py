@@ -14,6 +14,8 @@ SHIPPED: dict[str, str] = {
     "rollout": "rollout.config:RolloutConfig",
     "dataplane": "dataplane.config:DataPlaneConfig",
     "grpo_loop": "deploy.grpo_config:GRPOLoopConfig",
+    "opd": "deploy.opd_config:OPDLoopConfig",
+    "pipeline": "deploy.pipeline_config:PipelineConfig",
 }
 
 

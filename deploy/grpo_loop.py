@@ -42,6 +42,7 @@ import rewards
 from core.errors import UserError
 from core.hf import resolve_checkpoint
 from deploy.grpo_config import GRPOLoopConfig
+from deploy.mixture import domain_shares
 from core.rundir import RunDir
 
 # Metrics that depend on wall time or machine load, not on the seeded computation.
@@ -56,12 +57,22 @@ def batch_name(iteration: int) -> str:
     return f"it{iteration:06d}"
 
 
-def make_requests(cfg: GRPOLoopConfig, domain: str, iteration: int, replayed: Sequence[str] = ()) -> list:
+def make_requests(cfg: GRPOLoopConfig, domain: str | Sequence[str], iteration: int,
+                  replayed: Sequence[str] = ()) -> list:
     """P prompts × G samples (`replayed` prompts first, fresh ones after); each sample has its own
-    trajectory id, hence its own RNG stream."""
+    trajectory id, hence its own RNG stream. Several domains share the P prompts equally (a mixture)."""
     from rollout.sampling import SamplingParams
     from rollout.types import Request
 
+    if not isinstance(domain, str):
+        if len(domain) == 1:
+            return make_requests(cfg, domain[0], iteration, replayed)
+        out = []
+        for di, (d, n) in enumerate(domain_shares(cfg.loop.prompts_per_iteration, list(domain)).items()):
+            part = make_requests(cfg.model_copy(update={"loop": cfg.loop.model_copy(update={
+                "prompts_per_iteration": max(1, n), "seed": cfg.loop.seed * 7919 + di})}), d, iteration)
+            out += part if n else []
+        return out
     dom = rewards.domain(domain)
     s, lp = cfg.sampling, cfg.loop
     params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=s.max_new_tokens,
@@ -128,12 +139,18 @@ class GRPOLoop:
                  chaos_seed: int | None = None, resume: bool = False, quiet: bool = False,
                  stop_after: int | None = None):
         check_config(cfg)
+        self.domains = [domain] if isinstance(domain, str) else list(domain)
         try:
-            self.dom = rewards.domain(domain)
+            self.doms = [rewards.domain(d) for d in self.domains]
         except rewards.UnknownDomain as exc:
             raise UserError(str(exc)) from None
+        if not self.domains or len(set(self.domains)) != len(self.domains):
+            raise UserError(f"grpo: --domain {self.domains}: give each domain once")
+        if len(self.domains) > 1 and cfg.loop.replay_share > 0:
+            raise UserError("grpo: hard-prompt replay (loop.replay_share) works on one domain at a time")
         if iterations < 1:
             raise UserError("grpo: --iterations must be >= 1")
+        domain = "+".join(self.domains)  # a mixture's name (`arith+reverse+calc`)
         self.cfg, self.domain, self.init, self.iterations = cfg, domain, resolve_checkpoint(init), iterations
         if stop_after is not None and not 1 <= stop_after <= iterations:
             raise UserError(f"grpo: --stop-after {stop_after} must lie in 1..--iterations ({iterations})")
@@ -192,7 +209,7 @@ class GRPOLoop:
         pool_dir = self.out / "rollout" / f"start-{len(starts):03d}"
         pool_init = str(Path(ckpt) / "model") if ckpt else str(self.init)
         self.pool = RolloutPool(pool_init, pool_dir, cfg.pool, cfg.engine, sink=self.sink,
-                                max_tool_calls=cfg.sampling.max_tool_calls, use_tools=self.dom.uses_tools,
+                                max_tool_calls=cfg.sampling.max_tool_calls, use_tools=any(d.uses_tools for d in self.doms),
                                 spares=cfg.loop.chaos_faults if self.chaos_seed is not None else 0)
         self.group = None
         try:
@@ -289,7 +306,7 @@ class GRPOLoop:
                     self._observe(j)
                 replayed = self.replay.take(self.cfg.loop.prompts_per_iteration)
                 self._replayed[k] = {"replayed_prompts": len(replayed), "replay_queue": len(self.replay)}
-            self._drawn[k] = make_requests(self.cfg, self.domain, k, replayed)
+            self._drawn[k] = make_requests(self.cfg, self.domains, k, replayed)
             self._drawn.pop(k - 2, None)
         return self._drawn[k]
 
@@ -382,12 +399,17 @@ class GRPOLoop:
 
         t0 = time.monotonic()
         self.eval_model.load_state_dict(weights)
-        res = evaluate(self.eval_model, self.tok, self.domain, self.cfg.eval)
-        row = {"eval_pass_at_1": res["pass_at_1"], "eval_mean_reward": res["mean_reward"], "eval_n": res["n"]}
+        res = {d: evaluate(self.eval_model, self.tok, d, self.cfg.eval) for d in self.domains}
+        if len(self.domains) == 1:
+            r = res[self.domains[0]]
+            row = {"eval_pass_at_1": r["pass_at_1"], "eval_mean_reward": r["mean_reward"], "eval_n": r["n"]}
+        else:  # a mixture: every domain's pass@1, and the worst as eval_pass_at_1
+            row = {f"eval_pass_at_1_{d}": r["pass_at_1"] for d, r in res.items()}
+            row |= {"eval_pass_at_1": min(row.values()), "eval_n": self.cfg.eval.n}
         self.run.log(stage="eval", iteration=iteration, **row, eval_s=round(time.monotonic() - t0, 3))
         if not self.quiet:
-            print(f"grpo {self.domain} iteration {iteration}: eval pass@1 {res['pass_at_1']:.3f} (n={res['n']})",
-                  flush=True)
+            shown = "  ".join(f"{d} {r['pass_at_1']:.3f}" for d, r in res.items())
+            print(f"grpo {self.domain} iteration {iteration}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
         return row
 
     def _truncate_metrics(self, start: int) -> None:

@@ -6,7 +6,7 @@ Files:
     kl_triton.py     fused Triton backend (CUDA; TRITON_INTERPRET=1 on CPU for tests)
     kl_reference.py  plain fp64 reference, used only in tests
 
-(Teacher registry, hidden-state cache, head scheduler and the OPD trainer come with later issues.)
+(The teacher registry, hidden-state cache, head scheduler and OPD trainer are not built yet.)
 """
 from distill.kl import reverse_kl, token_coefficients
 

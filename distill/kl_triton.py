@@ -10,7 +10,7 @@ the batch):
    - "fused": `_logits_stats_kernel`, one program per [BLOCK_M, BLOCK_V] tile computes both logit
      tiles with tensor-core dots (fp32 accumulators), stores them and the tile statistics; programs
      walk the M blocks of one vocab block back to back so each W tile is read from HBM once.
-   - "cublas" (default for bf16/fp16 on CUDA: faster on an H200, see bench/results/kl.json): the two
+   - "cublas" (default for bf16/fp16 on CUDA: faster on an H200, see bench/results/kl_h200.json): the two
      logit GEMMs run in cuBLAS with float32 output (`torch.mm(..., out_dtype=torch.float32)`, never
      rounded to bf16) into preallocated buffers, and `_tile_stats_kernel` reads them back for the
      same statistics.
@@ -25,7 +25,7 @@ Nothing of size [N, V] exists in HBM: the buffers hold C (logits) and grad_group
 Option `overlap`: steps 1b-3 of chunk i run on a second stream beside the logits GEMMs of chunk i+1
 and the gradient GEMMs of the previous group (double-buffered logits and dlogits; same kernels,
 shapes and order per buffer: bit-identical to the serial schedule). Measured slower than the serial
-default on an H200 (bench/results/kl.json): the cuBLAS kernels hold every SM, so the side kernels
+default on an H200 (bench/results/kl_h200.json): the cuBLAS kernels hold every SM, so the side kernels
 only run in the gaps, and the double buffers force chunks of 512 tokens under the memory goal.
 """
 from __future__ import annotations
@@ -189,7 +189,7 @@ def default_config(dtype: torch.dtype, device: torch.device) -> dict:
         return dict(BLOCK_M=16, BLOCK_V=32, BLOCK_K=16, num_warps=4, num_stages=1, EW_BLOCK=64, variant="fused")
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_V=128, BLOCK_K=32, num_warps=8, num_stages=3, EW_BLOCK=2048, variant="fused")
-    # Measured on an H200 (bench/results/kl.json): cuBLAS logits GEMMs + Triton statistics beat the
+    # Measured on an H200 (bench/results/kl_h200.json): cuBLAS logits GEMMs + Triton statistics beat the
     # fused Triton dual GEMM; BLOCK_M / BLOCK_V here are the statistics tiles. grad_group=2: the
     # gradient GEMMs run once per two chunks (K = 2048 for dW: half the read-add-write passes over dW).
     return dict(BLOCK_M=2, BLOCK_V=4096, BLOCK_K=64, num_warps=8, num_stages=4, EW_BLOCK=1024, variant="cublas",

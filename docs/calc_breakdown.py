@@ -1,4 +1,4 @@
-"""Greedy calc pass@1 of a checkpoint split by the product's length (README, learner section, "calc").
+"""Greedy calc pass@1 of a checkpoint split by the product's length (docs/learner.md, "Why calc at 5e-5 stalled").
 
 Usage: python docs/calc_breakdown.py CHECKPOINT_DIR   (an HF checkpoint: OUT/final of sft or grpo)
 """

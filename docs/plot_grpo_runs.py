@@ -1,4 +1,4 @@
-"""Greedy eval pass@1 of `postrain grpo` runs against wall time: docs/grpo_runs.png (README, learner section).
+"""Greedy eval pass@1 of `postrain grpo` runs against wall time: docs/grpo_runs.png (docs/learner.md).
 
 Usage: python docs/plot_grpo_runs.py OUT.png [LABEL=]RUN_DIR...   (each RUN_DIR holds a run's metrics.jsonl;
 the label defaults to the domain, plus "--chaos 7" where the directory name says chaos)

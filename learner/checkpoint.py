@@ -7,12 +7,17 @@ renamed into place and the root fsynced, so a crash leaves either the old set or
   rng.pt            one RNG state per learner rank (python, numpy, torch CPU, CUDA)
   state.json        iteration, policy version, step, world size, sha256 of every file above
 `ROOT/latest` names the newest complete checkpoint (written atomically after the rename).
+
+A checkpoint is data and never runs code when loaded: the weights are safetensors; trainer.pt and
+rng.pt hold only tensors, numbers, strings and plain containers (the numpy RNG state is stored as a
+tensor) and are read with `torch.load(weights_only=True)`, which refuses any other pickled object.
+The sha256 list detects corruption, not tampering: whoever can write the files can rewrite it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
+import pickle
 import random
 from pathlib import Path
 
@@ -21,13 +26,17 @@ import torch
 
 from core import fileio
 from core.atomic import fsync_dir, write_atomic
+from core.digest import sha256_file
 from core.errors import UserError
 
-FORMAT = 1
+FORMAT = 2  # 1 stored numpy objects, which only a full (code-running) unpickler reads
 
 
 def capture_rng() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG state of this process, in types `torch.load(weights_only=True)` accepts."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -35,18 +44,11 @@ def capture_rng() -> dict:
 
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fsync_tree(root: Path) -> None:
@@ -77,7 +79,7 @@ def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     state = {"format": FORMAT, "iteration": iteration, "policy_version": int(trainer_state["policy_version"]),
              "step": int(trainer_state["step"]), "world_size": len(rng_states),
-             "sha256": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+             "sha256": {str(p.relative_to(tmp)): sha256_file(p) for p in files}}
     fileio.write_file(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
     _fsync_tree(tmp)
     if final.exists():  # re-saving an iteration: swap the new one in, drop the old one once that is durable
@@ -120,13 +122,14 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
         path = found
     state = json.loads((path / "state.json").read_text())
     if state.get("format") != FORMAT:
-        raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT}")
+        raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT} "
+                        "(format 1 held pickled objects, which are not loaded: loading them could run code)")
     if verify:
         for rel, digest in state["sha256"].items():
             f = path / rel
             if not f.is_file():
                 raise UserError(f"checkpoint {path}: file {rel} is missing")
-            if _sha256(f) != digest:
+            if sha256_file(f) != digest:
                 raise UserError(f"checkpoint {path}: file {rel} fails its checksum (corrupt); use an older checkpoint")
     state["path"] = str(path)
     return state
@@ -156,7 +159,19 @@ def load_into(path: str | Path, model, learner, rank: int = 0) -> dict:
     state = read_checkpoint(path)
     ckpt = Path(state["path"])
     load_weights(model, ckpt / "model")
-    learner.load_state(torch.load(ckpt / "trainer.pt", weights_only=False))
-    rngs = torch.load(ckpt / "rng.pt", weights_only=False)
+    learner.load_state(load_data(ckpt / "trainer.pt"))
+    rngs = load_data(ckpt / "rng.pt")
     restore_rng(rngs[rank % len(rngs)])
     return state
+
+
+def load_data(path: Path):
+    """A torch.save file of tensors and plain containers; anything else is refused, never constructed."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # torch's message is long advice on how to load it anyway; keep only the line naming the object
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "WeightsUnpickler error" in ln), lines[0] if lines else type(exc).__name__)
+        raise UserError(f"checkpoint file {path} holds objects other than tensors and plain data; refused "
+                        f"(loading it could run code): {why}") from None

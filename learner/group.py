@@ -19,7 +19,7 @@ from learner.config import PolicyConfig
 from learner.grpo_config import GRPOConfig
 from learner.train_step import Collectives, Learner, PackedBatch, pick_device
 
-RESERVED_PORTS = {6379}  # Redis (and Ray's default GCS port) on this machine
+RESERVED_PORTS = {6379}  # Redis's default port, also Ray's default GCS port: often taken on the host
 
 
 def free_port(host: str = "127.0.0.1", attempts: int = 16) -> int:
@@ -31,6 +31,12 @@ def free_port(host: str = "127.0.0.1", attempts: int = 16) -> int:
         if port not in RESERVED_PORTS:
             return port
     raise RuntimeError(f"no free port on {host} after {attempts} attempts")
+
+
+def grpo_learner(model, cfg: GRPOConfig, collectives: Collectives, wrap) -> Learner:
+    """The GRPO learner of a rank (with a frozen reference copy when the loss has a KL term)."""
+    ref = copy.deepcopy(model).requires_grad_(False) if cfg.loss.kl_coef > 0 else None
+    return Learner(model, cfg, collectives, ref_model=ref, wrap=wrap)
 
 
 def make_policy(source: PolicyConfig | str | Path):
@@ -48,11 +54,13 @@ class LearnerWorker:
 
     In one process `LearnerWorker(cfg, policy)` is ready at once. As a Ray actor it is built with
     `join=False`; the group asks rank 0 for a rendezvous address on its own node (`rendezvous`) and
-    then has every rank `join` it."""
+    then has every rank `join` it. `make_learner(model, cfg, collectives, wrap)` builds the rank's
+    learner (GRPO by default; OPD passes its own), which owns the optimizer and `state()`."""
 
-    def __init__(self, cfg: GRPOConfig, policy: PolicyConfig | str | Path, rank: int = 0, world: int = 1,
-                 dtype: str | None = None, join: bool = True):
+    def __init__(self, cfg, policy: PolicyConfig | str | Path, rank: int = 0, world: int = 1,
+                 dtype: str | None = None, join: bool = True, make_learner=None):
         self.cfg, self.policy, self.rank, self.world, self.dtype = cfg, policy, rank, world, dtype
+        self.make_learner = make_learner or grpo_learner
         threads = cfg.learner.threads or max(1, (os.cpu_count() or 1) // world)
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.learner.seed + rank)
@@ -79,7 +87,6 @@ class LearnerWorker:
         self.model, self.tokenizer = make_policy(self.policy)
         if self.dtype is not None:
             self.model.to(getattr(torch, self.dtype))
-        ref = copy.deepcopy(self.model).requires_grad_(False) if self.cfg.loss.kl_coef > 0 else None
         wrap = None
         if self.world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
@@ -89,7 +96,7 @@ class LearnerWorker:
             def wrap(module):
                 return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
                            broadcast_buffers=False)
-        self.learner = Learner(self.model, self.cfg, Collectives(self.world, self.device), ref_model=ref, wrap=wrap)
+        self.learner = self.make_learner(self.model, self.cfg, Collectives(self.world, self.device), wrap)
 
     def train_step(self, micro_batches: list[PackedBatch]) -> dict[str, float]:
         return self.learner.train_step(micro_batches)
@@ -108,6 +115,11 @@ class LearnerWorker:
             if pb is not None:
                 packs.append(pb)
         return self.learner.train_step(packs)
+
+    def learner_call(self, method: str, *args):
+        """`method` of this rank's learner (a learner kind's own steps, e.g. OPD's), with the rank's index
+        as the first argument."""
+        return getattr(self.learner, method)(self.rank, *args)
 
     def set_policy_version(self, version: int) -> None:
         self.learner.policy_version = int(version)
@@ -158,15 +170,15 @@ def _get_first_error(refs: list) -> list:
 class LearnerGroup:
     """N learner ranks; one rank runs in this process, more run as Ray actors."""
 
-    def __init__(self, cfg: GRPOConfig, policy: PolicyConfig | str | Path, num_cpus_per_rank: float = 1.0,
-                 dtype: str | None = None):
+    def __init__(self, cfg, policy: PolicyConfig | str | Path, num_cpus_per_rank: float = 1.0,
+                 dtype: str | None = None, make_learner=None):
         self.cfg = cfg
         self.ranks = cfg.learner.ranks
         self.actors = []
         self.broken = False  # a rank died: the rest cannot leave their collective, only be killed
         self.local: LearnerWorker | None = None
         if self.ranks == 1:
-            self.local = LearnerWorker(cfg, policy, dtype=dtype)
+            self.local = LearnerWorker(cfg, policy, dtype=dtype, make_learner=make_learner)
             return
         import ray
 
@@ -174,7 +186,8 @@ class LearnerGroup:
             raise RuntimeError("a learner group of more than one rank needs ray.init() first")
         gpus = 1 if pick_device(cfg.learner.device).type == "cuda" else 0
         Actor = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=gpus)(LearnerWorker)
-        self.actors = [Actor.remote(cfg, policy, r, self.ranks, dtype, join=False) for r in range(self.ranks)]
+        self.actors = [Actor.remote(cfg, policy, r, self.ranks, dtype, join=False, make_learner=make_learner)
+                       for r in range(self.ranks)]
         # Rank 0 hosts the process group's store, so the address must be on rank 0's node.
         master = ray.get(self.actors[0].rendezvous.remote())
         try:
@@ -210,6 +223,10 @@ class LearnerGroup:
         loads its own share. Returns the global metrics."""
         args = (plan, minibatch, advantages, trajectory_versions)
         return self._call("train_plan_step", [args] * self.ranks)[0]
+
+    def learner_call(self, method: str, *args):
+        """`method(rank, *args)` of every rank's learner; rank 0's result (steps return global metrics)."""
+        return self._call("learner_call", [(method, *args)] * self.ranks)[0]
 
     def set_policy_version(self, version: int) -> None:
         self._call("set_policy_version", [(version,)] * self.ranks)

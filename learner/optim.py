@@ -27,3 +27,32 @@ def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> tuple[torch.opt
     opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps, **fast)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, cfg))
     return opt, sched
+
+
+class Optimised:
+    """What every learner kind shares: AdamW, the schedule, the step and policy-version counters, gradient
+    clipping, and the state a checkpoint holds. Subclasses set `model`, `cfg` (with `.optim`) and `device`."""
+
+    def init_optimiser(self) -> None:
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.cfg.optim)
+        self.step = 0  # optimizer steps taken
+        self.policy_version = 0
+
+    def clip(self) -> torch.Tensor:
+        """Clip the global gradient norm (when optim.grad_clip > 0); returns the norm before clipping."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.cfg.optim.grad_clip > 0:
+            # CPU: per-tensor loops, the same arithmetic whatever the ranks; GPU: the foreach kernels.
+            foreach = None if self.device.type == "cuda" else False
+            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach)
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+
+    def state(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "step": self.step, "policy_version": self.policy_version}
+
+    def load_state(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        self.policy_version = int(state["policy_version"])

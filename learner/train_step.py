@@ -22,7 +22,7 @@ import torch
 
 from learner.grpo_config import GRPOConfig
 from learner.grpo_loss import LossInputs, grpo_loss, logprobs_from_hidden, seq_ids_from_cu_seqlens
-from learner.optim import build_optimizer
+from learner.optim import Optimised
 from learner.packed_attention import pick_backend, use_packed_attention
 from learner.staleness import apply_staleness_bound
 
@@ -229,8 +229,8 @@ class LogprobModel(torch.nn.Module):
         self.chunk_rows = chunk_rows
         self.attention = attention  # a learner.packed_attention backend; None: the model's own
 
-    def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False,
-                with_entropy: bool = True, cu_seqlens_S1=None, max_seqlen: int | None = None):
+    def hidden(self, input_ids_N, position_ids_N, cu_seqlens_S1=None, max_seqlen: int | None = None):
+        """[N, H] last-layer hidden states after the final norm of a packed batch."""
         trunk = self.model.base_model
         if self.attention is None:
             attn = contextlib.nullcontext({})
@@ -240,8 +240,12 @@ class LogprobModel(torch.nn.Module):
             attn = use_packed_attention(self.model, self.attention, cu_seqlens_S1, max_seqlen)
         with attn as attn_kw:
             # use_cache=False: with a cache HF skips the packed-sequence (block-diagonal) mask.
-            hidden_NH = trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
-                              use_cache=False, **attn_kw).last_hidden_state[0]
+            return trunk(input_ids=input_ids_N[None], position_ids=position_ids_N[None],
+                         use_cache=False, **attn_kw).last_hidden_state[0]
+
+    def forward(self, input_ids_N, position_ids_N, temperature: float = 1.0, entropy_grad: bool = False,
+                with_entropy: bool = True, cu_seqlens_S1=None, max_seqlen: int | None = None):
+        hidden_NH = self.hidden(input_ids_N, position_ids_N, cu_seqlens_S1, max_seqlen)
         weight_VH = self.model.get_output_embeddings().weight
         if temperature != 1.0:
             hidden_NH = hidden_NH / temperature  # (h / T) W^T = logits / T
@@ -300,7 +304,7 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cpu")
 
 
-class Learner:
+class Learner(Optimised):
     """Owns the policy, its optimizer and schedule; `train_step` applies one GRPO update."""
 
     def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, collectives: Collectives | None = None,
@@ -332,9 +336,7 @@ class Learner:
         self.ref = (LogprobModel(ref_model.to(self.device).eval(), cfg.learner.logprob_chunk_rows, self.attention)
                     if ref_model else None)
         self.opts = cfg.loss.options()
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
-        self.step = 0  # optimizer steps taken
-        self.policy_version = 0
+        self.init_optimiser()
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" and cfg.learner.bf16
                          else contextlib.nullcontext())
 
@@ -343,7 +345,7 @@ class Learner:
         """One optimizer step over this rank's micro-batches (every rank calls it with its share)."""
         t0 = time.perf_counter()
         metrics = self.accumulate_gradients(micro_batches)
-        grad_norm = self._clip()
+        grad_norm = self.clip()
         self.optimizer.step()
         metrics["grad_norm"] = float(grad_norm)  # read after the update is queued: no GPU idle gap
         self.scheduler.step()
@@ -457,24 +459,6 @@ class Learner:
         return out, {"stale_tokens_removed": float(hist[-1]), "staleness_max": float(max(nz, default=0)),
                      **{f"staleness_hist_{k}": float(hist[k]) for k in nz}}
 
-    def _clip(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.cfg.optim.grad_clip > 0:
-            # CPU: per-tensor loops, the same arithmetic whatever the ranks; GPU: the foreach kernels.
-            foreach = None if self.device.type == "cuda" else False
-            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach)
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-
-    # -- state for checkpoints ---------------------------------------------------------------------
-    def state(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "step": self.step, "policy_version": self.policy_version}
-
-    def load_state(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.step = int(state["step"])
-        self.policy_version = int(state["policy_version"])
 
 
 def synthetic_packed_batch(vocab_size: int, lengths: list[int], seed: int, prompt_len: int = 3,

@@ -32,7 +32,8 @@ class DataPlaneSink:
                 id=f.traj_id, run=self.run, domain=f.domain, prompt=f.prompt, group_id=f.prompt,
                 tokens=np.array(f.tokens, dtype=np.int32), loss_mask=mask,
                 logprobs=np.where(mask.astype(bool), np.array(f.logprobs), 0.0).astype(np.float32),
-                reward=f.reward, policy_min=min(versions), policy_max=max(versions), status="complete"))
+                reward=f.reward, policy_min=min(versions), policy_max=max(versions), status="complete",
+                meta={"tokens_hash": f.token_hash}))
         if records:
             self.dp.put(records)
             self._have.update(r.id for r in records)

@@ -6,7 +6,9 @@ HELP = "specialist GRPO on a domain: Ray rollouts -> verify -> data plane -> lea
 
 
 def add_arguments(p):
-    p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
+    p.add_argument("--domain", required=True, action="append",
+                   help="task domain (see `postrain domains`); repeat it for one run over a mixture of domains "
+                        "(their prompts in equal shares; per-domain config tables are then not applied)")
     p.add_argument("--init", required=True, help="checkpoint to start from: an HF checkpoint directory or a run directory holding one as final/")
     p.add_argument("--iterations", type=int, required=True, help="GRPO iterations in total (a resumed run counts the done ones)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/")
@@ -23,13 +25,21 @@ def run(args) -> int:
     from deploy.grpo_config import load_for_domain
     from deploy.grpo_loop import run_grpo
 
-    cfg = load_for_domain(args.config or default_config("grpo_loop"), args.domain, list(args.overrides))
-    summary = run_grpo(cfg, args.domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
+    path = args.config or default_config("grpo_loop")
+    if len(args.domain) == 1:
+        cfg = load_for_domain(path, args.domain[0], list(args.overrides))
+    else:
+        from core import config
+        from deploy.grpo_config import GRPOLoopConfig
+
+        cfg = config.load(GRPOLoopConfig, path, list(args.overrides))
+    domain = args.domain[0] if len(args.domain) == 1 else args.domain
+    summary = run_grpo(cfg, domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
                        resume=args.resume, quiet=args.quiet, stop_after=args.stop_after)
     if not args.quiet:
         evals = ", ".join(f"{e['iteration']}: {e['pass_at_1']:.3f}" for e in summary["eval"])
         where = (f"final policy {summary['final']}" if summary["final"] else
                  f"stopped after {summary['iterations_done']} of {summary['iterations']} iterations (continue with --resume)")
-        print(f"grpo {args.domain}: eval pass@1 by iteration {{{evals}}}; {where}, "
+        print(f"grpo {'+'.join(args.domain)}: eval pass@1 by iteration {{{evals}}}; {where}, "
               f"metrics {args.out}/metrics.jsonl, curve {args.out}/grpo.png")
     return 0

@@ -18,6 +18,9 @@ def add_arguments(p):
     s.add_argument("--max-concurrent", type=int, default=None, help="executions at once (default 8)")
     s.add_argument("--max-queued", type=int, default=None, help="calls waiting for a slot before RESOURCE_EXHAUSTED (default 64)")
     s.add_argument("--wall-s", type=float, default=None, help="wall clock of one execution in seconds (default 5)")
+    s.add_argument("--allow-weaker-isolation", action="store_true", default=None,
+                   help="start even where the seccomp filter or the ban on nested user namespaces is unavailable "
+                        "(default: refuse, naming what is missing)")
 
     def client_args(c):
         c.add_argument("--target", default="127.0.0.1:50561", help="host:port of the service")
@@ -88,7 +91,8 @@ def run(args) -> int:
     from rewards.sandbox.server import SandboxServer
 
     fields = {"host": args.host, "port": args.port, "log_dir": args.log_dir, "max_concurrent": args.max_concurrent,
-              "max_queued": args.max_queued, "wall_s": args.wall_s}
+              "max_queued": args.max_queued, "wall_s": args.wall_s,
+              "allow_weaker_isolation": args.allow_weaker_isolation}
     try:
         cfg = SandboxConfig(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:

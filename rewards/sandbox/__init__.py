@@ -2,7 +2,9 @@
 
     types.py            limits, run/tool outcomes, error kinds, sandbox id rule
     config.py           SandboxConfig: bounded settings of the service
-    isolation.py        bubblewrap + prlimit + per-slot uid runner with wall clock and output bounds
+    isolation.py        bubblewrap + prlimit + per-slot uid runner with wall clock and output bounds; what is missing
+    view.py             the minimal filesystem a sandbox sees (read-only binds of what tools need, nothing else)
+    syscall_filter.py   the seccomp deny list, compiled to BPF by libseccomp for bubblewrap's --seccomp
     tools.py            the tools (calc, python, counter) and how a run becomes an outcome with a reason
     service.py          exactly-once core over the environment log (no gRPC): replay, join, abort, back-pressure
     server.py           gRPC shell: token auth, message bounds, status codes, SandboxServer

@@ -15,6 +15,8 @@ class SandboxConfig(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one (printed at start)")
     log_dir: Path = Field(Path("runs/sandbox"), description="state dir: environment log and counter state (hidden from sandboxes)")
     require_isolation: bool = Field(True, description="refuse to start without bubblewrap; if false, calc runs in-process (pure) and python is refused")
+    allow_weaker_isolation: bool = Field(False, description="start isolated even where the seccomp filter or the ban on "
+                                         "nested user namespaces is unavailable (the missing layers are printed)")
     isolate_pure_tools: bool = Field(True, description="run calc (pure, bounded, no eval) in a sandbox too; false answers it "
                                      "in the service process (~0.1 ms instead of a sandbox start; the env log's "
                                      "exactly-once is unchanged); python always runs isolated")

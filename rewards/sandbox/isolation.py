@@ -1,10 +1,15 @@
 """Run one command isolated: bubblewrap namespaces, rlimits, a dedicated uid, a wall clock, bounded output.
 
 Each execution gets:
-- bubblewrap: read-only root, fresh /dev and /proc, no network (--unshare-net), its own pid, ipc and uts
-  namespaces, a private size-capped tmpfs /tmp, an empty environment (--clearenv), a new session, and
-  death with its parent; the service's state directories are covered by empty tmpfs mounts;
-- rlimits CPU, AS, NPROC, FSIZE set inside the sandbox, before the tool runs: by `prlimit` for any
+- bubblewrap: the minimal filesystem view of `view.py` (read-only binds of the interpreter and the
+  shared libraries, fresh /dev and /proc, a private size-capped tmpfs /tmp; nothing of the host's
+  project tree, homes, /tmp, run directories, sockets or /sys), no network (--unshare-net), its own pid,
+  ipc and uts namespaces, an empty environment (--clearenv), a new session, and death with its parent;
+- the seccomp filter of `syscall_filter.py` (no new namespaces, no mount, ptrace, bpf, io_uring, ...),
+  loaded by bubblewrap just before the tool starts; when the service is not root and bubblewrap maps a
+  user namespace, also --disable-userns. What this machine cannot provide is listed in
+  `Isolator.missing`, and the Isolator refuses to start unless told to accept weaker isolation;
+- rlimits CPU, AS (memory), NPROC, FSIZE set inside the sandbox, before the tool runs: by `prlimit` for any
   command, by a short prelude in the interpreter for Python tools (two execs fewer); not by a
   preexec_fn, as running Python between fork and exec in a multi-threaded gRPC server can deadlock;
 - a uid of its own: RLIMIT_NPROC counts tasks per real uid and root ignores it, so when the service runs
@@ -30,6 +35,7 @@ import sys
 import time
 from pathlib import Path
 
+from rewards.sandbox import syscall_filter, view
 from rewards.sandbox.types import Limits, RunOutcome
 
 UID_BASE = 61000  # execution uids are UID_BASE + slot; chosen far from distribution-assigned ids
@@ -63,12 +69,45 @@ exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__":
 """
 
 
+BWRAP_ENV = {"PATH": "/usr/bin:/bin"}  # bubblewrap itself runs with this environment, not the service's
+
+
+# Runs in a probe sandbox: is the filter in force, and does it refuse a new user namespace?
+_PROBE = """\
+import ctypes, os
+status = dict(line.split(':', 1) for line in open('/proc/self/status') if ':' in line)
+libc = ctypes.CDLL(None, use_errno=True)
+rc = libc.unshare(0x10000000)
+print('Seccomp', status['Seccomp'].strip(), 'unshare', ctypes.get_errno() if rc != 0 else 0)
+"""
+
+
+def prelude_command(python: str, limits: Limits, uid: int, nproc: int) -> list[str]:
+    """The interpreter running the prelude: limits, drop to `uid` (-1: stay), wait for its program on stdin.
+    In a sandbox it is bubblewrap's command; the benchmark also runs it bare, as the unsandboxed baseline."""
+    numbers = (uid, limits.cpu_s, limits.address_space_bytes, nproc, limits.file_size_bytes)
+    return [python, "-I", "-S", "-c", _PRELUDE, *map(str, numbers)]
+
+
+def encode_program(code: str, args: list[str]) -> bytes:
+    """What the prelude reads on stdin: the program's source and its argv."""
+    return marshal.dumps((code, list(args)))
+
+
 class IsolationUnavailable(RuntimeError):
-    """bubblewrap (or prlimit/setpriv) is missing or cannot create namespaces here."""
+    """bubblewrap (or prlimit/setpriv) is missing or cannot create namespaces here, or a required layer
+    (the seccomp filter, no nested user namespaces) is missing and weaker isolation was not accepted."""
 
 
 def bwrap_path() -> str | None:
     return shutil.which("bwrap")
+
+
+def _bwrap_run(args: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess | str:
+    try:
+        return subprocess.run([bwrap_path(), *args], capture_output=True, timeout=10, env=BWRAP_ENV, pass_fds=pass_fds)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap cannot run: {exc}"
 
 
 def probe() -> str | None:
@@ -77,24 +116,62 @@ def probe() -> str | None:
         if shutil.which(tool) is None:
             pkg = "bubblewrap" if tool == "bwrap" else "util-linux"
             return f"{tool} not found: install it (apt-get install {pkg})"
-    cmd = [bwrap_path(), "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--unshare-net",
-           "--unshare-pid", "--tmpfs", "/tmp", *([] if os.geteuid() == 0 else ["--unshare-user"]), "true"]
-    try:
-        res = subprocess.run(cmd, capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"bwrap cannot run: {exc}"
+    res = _bwrap_run([*view.mount_args(sys.executable, 1 << 20), "--unshare-net", "--unshare-pid",
+                      *([] if os.geteuid() == 0 else ["--unshare-user"]), "--", "true"])
+    if isinstance(res, str):
+        return res
     if res.returncode != 0:
         return f"bwrap cannot create namespaces here: {res.stderr.decode(errors='replace').strip()[:200]}"
     return None
 
 
+def bwrap_supports(flag: str) -> bool:
+    try:
+        out = subprocess.run([bwrap_path(), "--help"], capture_output=True, text=True, timeout=10, env=BWRAP_ENV)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return f"{flag} " in out.stdout + out.stderr
+
+
+def hardening(python: str) -> tuple[bytes | None, bool, list[str]]:
+    """(seccomp program or None, use --disable-userns, what is missing) on this machine and bubblewrap.
+
+    Each layer is tried for real: the filter must be in force in a probe sandbox (`Seccomp: 2`) and must
+    refuse unshare(CLONE_NEWUSER) there."""
+    missing = []
+    program, reason = None, None
+    if not bwrap_supports("--seccomp"):
+        reason = "bubblewrap lacks --seccomp (needs 0.3 or newer)"
+    else:
+        try:
+            program = syscall_filter.build_filter()
+        except syscall_filter.FilterUnavailable as exc:
+            reason = str(exc)
+    if program is not None:
+        fd = syscall_filter.program_fd(program)
+        try:
+            res = _bwrap_run([*view.mount_args(python, 1 << 20), "--unshare-net", "--unshare-pid",
+                              *([] if os.geteuid() == 0 else ["--unshare-user"]), "--seccomp", str(fd), "--",
+                              python, "-I", "-S", "-c", _PROBE], pass_fds=(fd,))
+        finally:
+            os.close(fd)
+        out = res if isinstance(res, str) else (res.stdout + res.stderr).decode(errors="replace").strip()
+        if isinstance(res, str) or res.returncode != 0 or out != "Seccomp 2 unshare 1":
+            program, reason = None, f"the kernel did not apply it ({out[:200]})"
+    if program is None:
+        missing.append(f"seccomp filter: {reason}")
+    # Nested user namespaces: the filter refuses unshare/clone(CLONE_NEW*) for everyone; a service that is not
+    # root also maps a user namespace, in which bubblewrap can forbid nested ones (--disable-userns, 0.8+).
+    disable_userns = os.geteuid() != 0 and bwrap_supports("--disable-userns")
+    if program is None and not disable_userns:
+        missing.append("no nested user namespaces: needs the seccomp filter"
+                       + ("" if os.geteuid() == 0 else " or bubblewrap 0.8+ (--disable-userns)"))
+    return program, disable_userns, missing
+
+
 def _check_slot(slot: int) -> None:
     if not 0 <= slot < UID_RANGE:
         raise ValueError(f"slot {slot} outside [0, {UID_RANGE})")
-
-
-def _covers(parent: Path, child: Path) -> bool:
-    return child == parent or parent in child.parents
 
 
 def _tasks_of_uid(uid: int) -> list[int]:
@@ -118,14 +195,19 @@ def _tasks_of_uid(uid: int) -> list[int]:
 class Isolator:
     """Builds and runs the bubblewrap command line for one execution.
 
-    `hidden`: host directories the sandbox must not see (state dir, env log; the service user's home always);
-    `exposed`: directories under a hidden one that must stay readable (this Python installation always).
+    `hidden`: host directories the sandbox must not see even where they lie inside a read-only bind of the
+    view (the state directory; always the service user's home, the project source and this interpreter's
+    virtual environment). `allow_weaker`: start even when a layer is missing (listed in `.missing`).
     """
 
-    def __init__(self, hidden: list[Path] = (), exposed: list[Path] = ()):
+    def __init__(self, hidden: list[Path] = (), allow_weaker: bool = False):
         reason = probe()
         if reason is not None:
             raise IsolationUnavailable(reason)
+        self.seccomp, self.disable_userns, self.missing = hardening(os.path.realpath(sys.executable))
+        if self.missing and not allow_weaker:
+            raise IsolationUnavailable("weaker isolation than required, missing: " + "; ".join(self.missing)
+                                       + " (--allow-weaker-isolation runs without it)")
         if os.geteuid() == 0:  # the sweep kills every task of a slot uid: none may belong to a real account
             taken = [(u.pw_uid, u.pw_name) for u in pwd.getpwall() if UID_BASE <= u.pw_uid < UID_BASE + UID_RANGE]
             if taken:
@@ -135,38 +217,42 @@ class Isolator:
         self.prlimit = shutil.which("prlimit")
         self.setpriv = shutil.which("setpriv")
         self.as_root = os.geteuid() == 0
-        # Always hidden: the service user's home. Always readable: this interpreter's installation (it may
-        # live under that home, e.g. pyenv), so the Python tools can start once they dropped root.
-        self.hidden = [Path(p).resolve() for p in (*hidden, Path.home())]
-        self.exposed = [Path(p).resolve() for p in (*exposed, sys.base_prefix, sys.prefix)]
+        project = Path(__file__).resolve().parents[2]
+        self.hidden = [Path(p).resolve() for p in (*hidden, Path.home(), project, sys.prefix)]
+        self._views: dict[tuple[str, int], list[str]] = {}
 
-    def _mounts(self, limits: Limits) -> list[str]:
-        args = ["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-                "--perms", "1777", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp"]
-        covered = [Path("/tmp")]
-        for path in sorted(set(self.hidden), key=lambda p: len(p.parts)):
-            if path.is_dir() and not any(_covers(c, path) for c in covered):
-                args += ["--tmpfs", str(path)]
-                covered.append(path)
-        for path in self.exposed:
-            parent = next((c for c in covered if _covers(c, path) and c != path), None)
-            if parent is not None and path.exists():
-                # bwrap would create the missing directories 0700: unreadable once the tool drops root
-                for anc in reversed(path.parents):
-                    if parent in anc.parents:
-                        args += ["--perms", "0755", "--dir", str(anc)]
-                args += ["--ro-bind", str(path), str(path)]
-        return args
+    def _mounts(self, python: str, limits: Limits) -> list[str]:
+        key = (python, limits.tmp_bytes)
+        if key not in self._views:  # a handful of keys: one interpreter, the configured tmp sizes
+            self._views[key] = view.mount_args(python, limits.tmp_bytes, self.hidden)
+        return self._views[key]
 
     def _namespaces(self) -> list[str]:
         ns = ["--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
               "--die-with-parent", "--new-session", "--clearenv",
-              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+              "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", "/tmp",
               "--setenv", "LANG", "C.UTF-8", "--chdir", "/tmp", "--hostname", "sandbox"]
-        return ns if self.as_root else ["--unshare-user", *ns]
+        if self.as_root:
+            return ns
+        return ["--unshare-user", *(["--disable-userns"] if self.disable_userns else []), *ns]
+
+    def _popen(self, argv: list[str]) -> subprocess.Popen:
+        """Start bubblewrap `argv`, with the seccomp filter (`--seccomp FD`, a fresh pipe) inserted before `--`."""
+        fd = syscall_filter.program_fd(self.seccomp) if self.seccomp is not None else None
+        try:
+            if fd is not None:
+                at = argv.index("--")
+                argv = [*argv[:at], "--seccomp", str(fd), *argv[at:]]
+            return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True, close_fds=True, env=BWRAP_ENV,
+                                    pass_fds=() if fd is None else (fd,))
+        finally:
+            if fd is not None:
+                os.close(fd)
 
     def argv(self, command: list[str], limits: Limits, uid: int) -> list[str]:
-        """The full command line: bwrap [namespaces, mounts] prlimit [limits] [setpriv uid] command."""
+        """The full command line: bwrap [namespaces, mounts] prlimit [limits] [setpriv uid] command
+        (the seccomp filter's `--seccomp FD` is added before `--` when the sandbox starts)."""
         ns = self._namespaces()
         # Non-root: NPROC counts every task of the service user, so the budget sits on top of what runs now.
         nproc = limits.processes if self.as_root else limits.processes + len(_tasks_of_uid(os.getuid()))
@@ -177,7 +263,7 @@ class Isolator:
         if self.as_root:
             drop = [self.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                     "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
-        return [self.bwrap, *self._mounts(limits), *ns, "--", *rl, *drop, *command]
+        return [self.bwrap, *self._mounts(os.path.realpath(sys.executable), limits), *ns, "--", *rl, *drop, *command]
 
     def python_argv(self, python: str, limits: Limits, uid: int) -> list[str]:
         """Sandbox for Python tools: the interpreter itself sets the rlimits and drops to `uid` (the
@@ -186,10 +272,8 @@ class Isolator:
         and no_new_privs (set by bwrap) forbids regaining one."""
         nproc = limits.processes if self.as_root else limits.processes + len(_tasks_of_uid(os.getuid()))
         caps = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if self.as_root else []
-        numbers = [str(v) for v in (uid if self.as_root else -1, limits.cpu_s, limits.address_space_bytes, nproc,
-                                    limits.file_size_bytes)]
-        return [self.bwrap, *self._mounts(limits), *self._namespaces(), *caps, "--",
-                python, "-I", "-S", "-c", _PRELUDE, *numbers]
+        return [self.bwrap, *self._mounts(python, limits), *self._namespaces(), *caps, "--",
+                *prelude_command(python, limits, uid if self.as_root else -1, nproc)]
 
     def prestart(self, python: str, limits: Limits, slot: int) -> subprocess.Popen:
         """Start a Python sandbox for slot `slot` that boots (namespaces, mounts, interpreter, limits, uid
@@ -197,8 +281,7 @@ class Isolator:
         --die-with-parent binds it to the calling *thread*: a sandbox whose starter thread ended is
         found dead by run_python, which then starts a fresh one."""
         _check_slot(slot)
-        return subprocess.Popen(self.python_argv(python, limits, UID_BASE + slot), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
+        return self._popen(self.python_argv(python, limits, UID_BASE + slot))
 
     def run_python(self, python: str, code: str, args: list[str], limits: Limits, slot: int,
                    started: subprocess.Popen | None = None) -> RunOutcome:
@@ -208,8 +291,8 @@ class Isolator:
             if started is not None:
                 self.discard(started)
             started = self.prestart(python, limits, slot)
-        program = marshal.dumps((code, list(args)))
-        return self._collect(started, limits, UID_BASE + slot, time.monotonic(), program)
+        program = encode_program(code, args)
+        return self.collect(started, limits, UID_BASE + slot, time.monotonic(), program)
 
     def discard(self, proc: subprocess.Popen) -> None:
         """Kill and reap a sandbox that will not be used."""
@@ -223,11 +306,10 @@ class Isolator:
         """Run any `command` isolated as execution slot `slot` (its uid is UID_BASE + slot)."""
         _check_slot(slot)
         start = time.monotonic()
-        proc = subprocess.Popen(self.argv(command, limits, UID_BASE + slot), stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        return self._collect(proc, limits, UID_BASE + slot, start, stdin)
+        proc = self._popen(self.argv(command, limits, UID_BASE + slot))
+        return self.collect(proc, limits, UID_BASE + slot, start, stdin)
 
-    def _collect(self, proc: subprocess.Popen, limits: Limits, uid: int, start: float, stdin: bytes) -> RunOutcome:
+    def collect(self, proc: subprocess.Popen, limits: Limits, uid: int, start: float, stdin: bytes) -> RunOutcome:
         """Feed `stdin`, then read bounded output until exit, the wall clock or the output bound."""
         deadline = start + limits.wall_s
         if len(stdin) > PIPE_BYTES:

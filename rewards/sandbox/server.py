@@ -122,7 +122,9 @@ class SandboxServer:
         python = os.path.realpath(sys.executable)
         self.isolator = None
         if cfg.require_isolation or probe() is None:
-            self.isolator = Isolator(hidden=[log_dir])
+            self.isolator = Isolator(hidden=[log_dir], allow_weaker=cfg.allow_weaker_isolation)
+            if self.isolator.missing:
+                print("sandbox: WEAKER isolation, missing: " + "; ".join(self.isolator.missing), file=sys.stderr)
         else:
             print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")

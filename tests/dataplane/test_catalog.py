@@ -115,3 +115,35 @@ def test_reads_do_not_wait_for_a_writer(sqlite_dp, tmp_path):
     assert time.perf_counter() - t < 5  # not queued behind the writer (the busy timeout is 60 s)
     other.execute("ROLLBACK")
     other.close()
+
+
+def test_meta_round_trips_and_stays_out_of_selections(any_dp):
+    recs = make_records(4)
+    recs[1].meta = {"teacher": "t-arith", "tokens_hash": "ab" * 8, "stop": 7}
+    any_dp.put(recs)
+    assert any_dp.meta([r.id for r in recs]) == {recs[1].id: recs[1].meta}
+    assert any_dp.meta([]) == {}
+    bad = make_records(1, id_prefix="bad")
+    bad[0].meta = {"x": float("nan")}
+    with pytest.raises(dataplane.BadRecordError, match="meta is not JSON-able"):
+        any_dp.put(bad)
+    assert len(any_dp.select(status=None)) == 4  # the rejected put made nothing visible
+
+
+def test_a_version_1_catalog_is_migrated_in_place(any_dp, tmp_path):
+    recs = make_records(3)
+    any_dp.put(recs)
+    with any_dp.catalog.engine.begin() as conn:  # what a catalog written before the meta column looks like
+        conn.execute(text("ALTER TABLE dp_trajectories DROP COLUMN meta"))
+        conn.execute(text("UPDATE dp_meta SET value = '1' WHERE key = 'schema_version'"))
+    any_dp.close()
+    dp = dataplane.open(any_dp.catalog.url, tmp_path / "again", namespace=any_dp.catalog.namespace)
+    try:
+        assert sorted(dp.select().ids.tolist()) == sorted(r.id for r in recs)
+        assert dp.stats()["schema_version"] == SCHEMA_VERSION
+        more = make_records(1, id_prefix="m")
+        more[0].meta = {"k": 1}
+        dp.put(more)
+        assert dp.meta([more[0].id]) == {more[0].id: {"k": 1}}
+    finally:
+        dp.close()

@@ -24,22 +24,6 @@ BASE = ["sampling.max_new_tokens=12", "eval.max_new_tokens=12", "eval.n=16", "le
         "learner.device=cpu", "pool.workers=1", "loop.eval_every=0"]
 
 
-@pytest.fixture(scope="module")
-def reverse_base(tmp_path_factory):
-    """A tiny policy part-way through SFT on `reverse` (greedy pass@1 ≈ 0.6, sampled ≈ 0.2-0.4)."""
-    from deploy.job import run_sft
-    from deploy.job_config import JobConfig
-
-    out = tmp_path_factory.mktemp("sft")
-    cfg = config.load(JobConfig, None, ["policy.hidden_size=64", "policy.num_layers=2", "policy.intermediate_size=128",
-                                        "sft.domains=[\"reverse\"]", "sft.steps=260", "sft.threads=1", "sft.log_every=50",
-                                        # pinned: the shipped SFT defaults are tuned for the real base
-                                        "sft.lr=3e-3", "sft.batch_size=32", "sft.warmup_steps=20", "sft.seed=0",
-                                        "sft.weight_decay=0.01", "sft.grad_clip=1.0", "policy.seed=0"])
-    torch.set_num_threads(1)
-    return run_sft(cfg, out, quiet=True)
-
-
 def _rows(out, stage):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if f'"{stage}"' in line]
 
@@ -155,3 +139,19 @@ def test_bad_settings_are_one_clear_error(tmp_path, reverse_base):
         run_grpo(_cfg(), "reverse", reverse_base, tmp_path / "e", iterations=1)
     with pytest.raises(UserError, match="no GRPO run"):
         run_grpo(_cfg(), "reverse", reverse_base, tmp_path / "f", iterations=1, resume=True)
+
+
+def test_a_mixture_of_domains_shares_the_prompts_and_evaluates_each(tmp_path, reverse_base):
+    from deploy.grpo_loop import make_requests
+
+    cfg = _cfg("loop.prompts_per_iteration=5")
+    reqs = make_requests(cfg, ["arith", "reverse"], 0)
+    by = {d: [r for r in reqs if r.domain == d] for d in ("arith", "reverse")}
+    assert len(by["arith"]) == 3 * 4 and len(by["reverse"]) == 2 * 4  # 5 prompts x 4 samples, 3 + 2
+    assert make_requests(cfg, ["arith", "reverse"], 0) == reqs and make_requests(cfg, ["arith", "reverse"], 1) != reqs
+    run_grpo(_cfg(), ["arith", "reverse"], reverse_base, tmp_path / "mix", iterations=1, quiet=True)
+    ev = _rows(tmp_path / "mix", "eval")[-1]
+    assert ev["eval_pass_at_1"] == min(ev["eval_pass_at_1_arith"], ev["eval_pass_at_1_reverse"])
+    assert json.loads((tmp_path / "mix" / "grpo_run.json").read_text())["domain"] == "arith+reverse"
+    with pytest.raises(UserError, match="one domain at a time"):
+        run_grpo(_cfg("loop.replay_share=0.5"), ["arith", "reverse"], reverse_base, tmp_path / "x", iterations=1)

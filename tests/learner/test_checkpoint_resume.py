@@ -88,3 +88,40 @@ def test_atomic_layout_and_corruption_detected(tmp_path):
         read_checkpoint(p1)
     with pytest.raises(UserError, match="no learner checkpoint"):
         read_checkpoint(tmp_path / "nothing-here")
+
+
+class _Payload:
+    """Pickles as a call of exec(): what a crafted checkpoint carries to run code on --resume."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('code ran')",)
+
+
+@pytest.mark.parametrize("victim", ["trainer.pt", "rng.pt"])
+def test_crafted_pickle_in_a_checkpoint_is_refused_and_runs_nothing(tmp_path, victim):
+    import hashlib
+    import json
+    import subprocess
+    import sys
+
+    group = LearnerGroup(CFG, TINY)
+    path = group.save_checkpoint(tmp_path / "ckpt", iteration=1)
+    marker = tmp_path / "code-ran"
+    real = torch.load(path / victim, weights_only=True)
+    torch.save({"evil": _Payload(marker), "real": real}, path / victim)
+    state = json.loads((path / "state.json").read_text())  # the attacker rewrites the checksum list too
+    state["sha256"][victim] = hashlib.sha256((path / victim).read_bytes()).hexdigest()
+    (path / "state.json").write_text(json.dumps(state))
+
+    # Canary: the payload is real; a full unpickler runs it.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(path / victim)!r}, weights_only=False)"],
+                   check=False, capture_output=True, timeout=120)
+    assert marker.read_text() == "code ran", "the crafted checkpoint does not carry working code: the test proves nothing"
+    marker.unlink()
+
+    with pytest.raises(UserError, match=f"{victim} holds objects other than tensors.*refused.*exec"):
+        group.load_checkpoint(path)
+    assert not marker.exists()

@@ -24,11 +24,30 @@ def _counter(log_dir) -> int:
     return int(path.read_text()) if path.exists() else 0
 
 
-def _busy(uid_base: int, slots: int) -> bool:
-    """Some task of the slot uids has used at least 0.2 s of CPU (the looping tool, not a waiting sandbox)."""
-    from rewards.sandbox.isolation import _tasks_of_uid
+def _descendants(root: int) -> dict[int, int]:
+    """pid -> real uid of every live descendant of `root` (other services on the machine share the slot uids)."""
+    parent, uid = {}, {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = dict(ln.split(":\t", 1) for ln in open(f"/proc/{entry.name}/status").read().splitlines() if ":\t" in ln)
+        except OSError:
+            continue
+        parent[int(entry.name)], uid[int(entry.name)] = int(fields["PPid"]), int(fields["Uid"].split()[0])
+    out, todo = {}, [root]
+    while todo:
+        p = todo.pop()
+        for child, pp in parent.items():
+            if pp == p and child not in out:
+                out[child] = uid[child]
+                todo.append(child)
+    return out
 
-    for pid in [p for s in range(slots) for p in _tasks_of_uid(uid_base + s)]:
+
+def _busy(pids) -> bool:
+    """One of `pids` has used at least 0.2 s of CPU (the looping tool, not a waiting sandbox)."""
+    for pid in pids:
         try:
             fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
         except OSError:
@@ -113,7 +132,7 @@ def test_counter_exactly_once_across_retries_sigkill_and_restart(tmp_path):
 
 def test_sigkill_takes_running_sandboxes_down(tmp_path):
     """A killed service leaves no sandboxed process behind (bwrap --die-with-parent + pid namespace)."""
-    from rewards.sandbox.isolation import UID_BASE, _tasks_of_uid
+    from rewards.sandbox.isolation import UID_BASE
 
     if os.geteuid() != 0:
         pytest.skip("per-slot uids (and this census of them) exist only when the service runs as root")
@@ -131,15 +150,21 @@ def test_sigkill_takes_running_sandboxes_down(tmp_path):
         t.start()
         _wait_in_flight(client, "loop", 0)
         deadline = time.monotonic() + 8
-        while not _busy(UID_BASE, 2) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            mine = _descendants(srv.proc.pid)
+            slot_tasks = [p for p, uid in mine.items() if UID_BASE <= uid < UID_BASE + 2]
+            if _busy(slot_tasks):
+                break
             time.sleep(0.05)
-        assert _busy(UID_BASE, 2), "the loop should be running under a slot uid"
+        assert _busy(slot_tasks), "the loop should be running under a slot uid"
         srv.kill()
         t.join(30)
         deadline = time.monotonic() + 5
-        while sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(2)) and time.monotonic() < deadline:
+        alive = list(mine)
+        while alive and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert sum(len(_tasks_of_uid(UID_BASE + s)) for s in range(2)) == 0
+            alive = [p for p in mine if os.path.exists(f"/proc/{p}")]
+        assert not alive, f"left behind by the killed service: {alive}"
     finally:
         client.close()
         srv.kill()

@@ -195,14 +195,19 @@ def test_generic_command_runner_applies_limits():
     from rewards.sandbox.isolation import Isolator
 
     iso = Isolator()
-    limits = T.Limits(wall_s=5, processes=7, file_size_bytes=1 << 20)
-    out = iso.run(["/bin/sh", "-c", "id -u; grep -E '^Max (processes|file size)' /proc/self/limits; echo x > /etc/escape"],
-                  limits, slot=90)
+    limits = T.Limits(wall_s=5, processes=7, file_size_bytes=1 << 20, address_space_bytes=300 << 20)
+    out = iso.run(["/bin/sh", "-c", "id -u; grep -E '^Max (processes|file size|address space)' /proc/self/limits; "
+                   "echo x > /etc/escape"], limits, slot=90)
     lines = out.stdout.decode().splitlines()
     assert lines[1].split()[3:5] == [str(1 << 20), str(1 << 20)], out  # Max file size: soft, hard
     assert lines[2].split()[2:4] == ["7", "7"], out                    # Max processes: soft, hard
+    assert lines[3].split()[3:5] == [str(300 << 20)] * 2, out          # Max address space: the memory limit
     assert os.geteuid() != 0 or lines[0] == str(UID_BASE + 90)
     assert out.exit_code != 0 and b"Read-only file system" in out.stderr
+    import sys
+
+    hog = iso.run([os.path.realpath(sys.executable), "-I", "-S", "-c", "x = bytearray(400 << 20)"], limits, slot=90)
+    assert hog.exit_code == 1 and b"MemoryError" in hog.stderr, hog  # any command, not only the python tool
     slow = iso.run(["/bin/sh", "-c", "sleep 30"], limits._replace(wall_s=0.5), slot=90)
     assert slow.timed_out and slow.wall_ms < 3000 and not _tasks_of_uid(UID_BASE + 90)
 

@@ -1,4 +1,4 @@
-"""The WAL benchmark runs end to end (tiny budget) and prints the JSON the README quotes."""
+"""The WAL benchmark runs end to end (tiny budget) and prints the JSON that docs/wal.md quotes."""
 from __future__ import annotations
 
 import json

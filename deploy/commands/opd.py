@@ -1,0 +1,39 @@
+"""`postrain opd`: multi-teacher on-policy distillation that merges specialists into one student."""
+from deploy.commands._common import add_config_args
+
+NAME = "opd"
+HELP = "on-policy distillation: the student samples every domain, each domain's teacher scores every token (full vocabulary)"
+
+
+def add_arguments(p):
+    p.add_argument("--student", required=True, help="checkpoint to start the student from (HF checkpoint or run directory)")
+    p.add_argument("--teacher", action="append", default=[], metavar="DOMAIN[:WEIGHT]=DIR",
+                   help="the teacher of a domain (repeatable; several per domain with weights); adds to [opd.teachers]")
+    p.add_argument("--iterations", type=int, required=True, help="OPD iterations in total (a resumed run counts the done ones)")
+    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, opd.png, checkpoints/, final/")
+    p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
+    p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
+    p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed")
+    p.add_argument("--json", action="store_true", help="print the run summary as JSON")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    add_config_args(p)
+
+
+def run(args) -> int:
+    import json
+
+    from core import config
+    from deploy.commands._common import default_config
+    from deploy.opd_config import OPDLoopConfig
+    from deploy.opd_loop import run_opd
+    from distill.teachers import parse_teacher_arg
+
+    teachers = [parse_teacher_arg(t) for t in args.teacher]
+    cfg = config.load(OPDLoopConfig, args.config or default_config("opd"), args.overrides)
+    summary = run_opd(cfg, args.student, teachers, args.out, args.iterations, chaos_seed=args.chaos,
+                      resume=args.resume, quiet=args.quiet or args.json, stop_after=args.stop_after)
+    if args.json:
+        print(json.dumps(summary, default=str))
+    elif not args.quiet:
+        print(f"run directory: {summary['out']}  (final: {summary['final']})")
+    return 0

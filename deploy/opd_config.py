@@ -1,0 +1,56 @@
+"""Config of a `postrain opd` run: the learner's tables, the rollout path's, the loop and eval.
+
+One flat file (`configs/opd.toml`): `[optim] [learner] [opd]` are the learner's
+(`distill/opd_config.py`; `[opd.teachers]` names the teachers), `[engine] [sampling] [pool]` the
+rollout path's, `[eval]` pass@1 on every domain, `[loop]` what composes them.
+"""
+from __future__ import annotations
+
+from pydantic import Field
+
+from core.config import Config
+from distill.opd_config import OPDConfig, OPDTrainConfig
+from learner.config import EvalConfig
+from learner.grpo_config import LearnerConfig, OptimConfig
+from rollout.config import EngineConfig, PoolConfig, SamplingConfig
+
+
+class OPDLoop(Config):
+    """One OPD iteration: sample a domain mixture -> verify -> teacher prefill -> plan -> train -> publish."""
+
+    prompts_per_iteration: int = Field(48, ge=1, le=1_000_000, description="train prompts per iteration, shared "
+                                       "among the domains by `domain_weights`")
+    samples_per_prompt: int = Field(1, ge=1, le=4096, description="student samples per prompt")
+    domains: list[str] = Field(default_factory=list, description="domains to sample; empty = every teacher's domain")
+    domain_weights: dict[str, float] = Field(default_factory=dict, description="share of each domain's prompts "
+                                             "(relative); empty = equal shares")
+    minibatches: int = Field(2, ge=1, le=4096, description="optimizer steps per iteration (teacher-ordered minibatches)")
+    eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals on every domain "
+                                                               "(0 = only first and last)")
+    checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints")
+    time_budget_s: float = Field(0.0, ge=0.0, le=1e7, description="wall-clock budget of one `postrain opd` process; "
+                                 "no iteration starts that would overrun it; 0 = none")
+    chaos_faults: int = Field(2, ge=0, le=1000, description="faults injected into each iteration's rollouts under --chaos")
+    keep_iterations: int = Field(2, ge=0, le=1_000_000, description="iterations whose rollouts and cache rows stay in "
+                                 "the data plane once a checkpoint covers them; older ones are reclaimed; 0 = keep all")
+    seed: int = Field(0, ge=0, description="prompt draw seed")
+    catalog: str = Field("", description="data-plane catalog; empty = OUT/dataplane/catalog.db")
+    store: str = Field("", description="data-plane shard store; empty = OUT/dataplane/store")
+
+
+class OPDLoopConfig(Config):
+    """`postrain opd`: the learner's tables plus rollout, eval and loop."""
+
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=2e-4, warmup_steps=5),
+                               description="optimiser and schedule")
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="learner group")
+    opd: OPDConfig = Field(default_factory=OPDConfig, description="OPD loss and teachers")
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(max_batch=32, strict=False),
+                                 description="rollout inference engine")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="rollout decoding controls")
+    pool: PoolConfig = Field(default_factory=PoolConfig, description="rollout workers and pool")
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(n=256), description="pass@1 on every domain's eval split")
+    loop: OPDLoop = Field(default_factory=OPDLoop, description="the loop composing them")
+
+    def learner_config(self) -> OPDTrainConfig:
+        return OPDTrainConfig(optim=self.optim, learner=self.learner, opd=self.opd)

@@ -1,0 +1,376 @@
+"""`postrain pipeline`: SFT → one GRPO specialist per domain → OPD merge → evaluate → report, as one
+resumable job in `runs/NAME/`.
+
+Each stage runs its own `postrain` command as a child process (which dies with the pipeline) and
+writes its outputs under `RUN/<stage>/`, then, last and atomically, a manifest (deploy/manifest.py).
+A rerun keeps every stage whose manifest still matches its settings, inputs and outputs; a stage that
+runs again makes every later stage run again. Inside an interrupted stage the work continues from the
+stage's latest checkpoint: a specialist or the merge resumes its run (`--resume`), a finished
+specialist is kept; SFT, which has no checkpoints, starts over.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import rewards
+from core import config
+from core.atomic import write_atomic
+from core.digest import sha256_tree
+from core.errors import UserError
+from deploy import manifest
+from deploy.pipeline_config import STAGES, PipelineConfig
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec: no Python objects touched
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def config_path(name: str) -> Path:
+    p = Path(name)
+    return p if p.is_file() else CONFIGS / name
+
+
+class Pipeline:
+    def __init__(self, cfg: PipelineConfig, name: str, runs: str | Path = "runs", chaos: int | None = None,
+                 quick: bool = False, force: bool = False, quiet: bool = False, progress: bool | None = None):
+        if quick and cfg.quick:
+            cfg = config.build(PipelineConfig, config.merge(cfg.model_dump(exclude={"quick"}), cfg.quick), "[quick]")
+        self.cfg, self.name, self.chaos, self.quick, self.quiet = cfg, name, chaos, quick, quiet
+        self.run_dir = Path(runs) / name
+        self.live = progress if progress is not None else (sys.stderr.isatty() and not quiet)
+        self._check()
+        self._claim(force)
+
+    # -- checks before any stage -------------------------------------------------------------------------
+    def _check(self) -> None:
+        cfg = self.cfg
+        known = rewards.domains()
+        bad = [d for d in cfg.pipeline.domains if d not in known]
+        if bad:
+            raise UserError(f"pipeline: unknown domain(s) {bad}; known: {', '.join(known)}")
+        from deploy.grpo_config import load_for_domain
+        from deploy.job_config import JobConfig
+        from deploy.opd_config import OPDLoopConfig
+
+        self.sft_cfg = config.load(JobConfig, self._file(cfg.sft.config, "sft"), cfg.sft.set)
+        self.grpo_cfgs = {d: load_for_domain(self._file(cfg.specialists.config, "specialists"), d, cfg.specialists.set)
+                          for d in cfg.pipeline.domains}
+        self.opd_cfg = config.load(OPDLoopConfig, self._file(cfg.merge.config, "merge"), cfg.merge.set)
+        missing = [d for d in self.opd_cfg.loop.domains if d not in cfg.pipeline.domains]
+        if missing:
+            raise UserError(f"pipeline: merge samples domain(s) {missing} that the pipeline has no teacher for "
+                            f"(pipeline.domains = {cfg.pipeline.domains})")
+        for d, entry in self.opd_cfg.opd.teachers.items():
+            paths = [e if isinstance(e, str) else e.get("path", "") for e in (entry if isinstance(entry, list) else [entry])]
+            for p in paths:
+                if not Path(p).exists():
+                    raise UserError(f"pipeline: the merge's teacher for {d} ({p}) does not exist")
+        if cfg.merge.init != "base" and not Path(cfg.merge.init).exists():
+            raise UserError(f"pipeline: merge.init {cfg.merge.init} does not exist")
+        budgets = cfg.stage_budgets_s()
+        total = sum(budgets.values())
+        if total > cfg.pipeline.budget_min * 60:
+            shown = ", ".join(f"{k} {v:.0f} s" for k, v in budgets.items())
+            raise UserError(f"pipeline: the stage budgets ({shown}; {total / 60:.1f} min) do not fit "
+                            f"pipeline.budget_min = {cfg.pipeline.budget_min} min")
+
+    def _file(self, name: str, stage: str) -> Path:
+        p = config_path(name)
+        if not p.is_file():
+            raise UserError(f"pipeline: [{stage}] config {name!r} not found (looked in {CONFIGS})")
+        return p
+
+    def _claim(self, force: bool) -> None:
+        """runs/NAME belongs to one pipeline config; another one needs --force (then stages whose own
+        settings did not change are kept)."""
+        meta_path = self.run_dir / "pipeline.json"
+        digest = manifest.settings_hash(self.cfg.model_dump(mode="json"))
+        if meta_path.is_file():
+            old = json.loads(meta_path.read_text())
+            if old.get("config_hash") != digest and not force:
+                raise UserError(f"pipeline: {self.run_dir} was made by another pipeline config; pass --force to "
+                                "rerun the stages whose settings changed (and those after), or pick another --name")
+        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+            raise UserError(f"pipeline: {self.run_dir} exists and is not a pipeline run; pick another --name")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(meta_path, json.dumps({"config_hash": digest, "quick": self.quick,
+                                            "config": self.cfg.model_dump(mode="json")}, indent=2).encode())
+
+    # -- the run --------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from deploy.pipeline_report import write_report
+
+        t0 = time.monotonic()
+        redo = False  # a stage ran again: every later stage runs again
+        for stage in STAGES[:-1]:
+            d = self.run_dir / stage
+            settings, inputs = self._settings(stage), self._inputs(stage)
+            reason = "an earlier stage ran again" if redo else manifest.stale_reason(manifest.read(d), settings, inputs)
+            if reason is None:
+                self._say(f"{stage}: done earlier, kept")
+                continue
+            if manifest.read(d) is not None or reason.startswith("output"):
+                self._say(f"{stage}: runs again: {reason}")
+            (d / manifest.NAME).unlink(missing_ok=True)
+            if reason != "not finished" and d.exists():
+                shutil.rmtree(d)  # made from other settings or inputs: nothing in it may be resumed
+            s0 = time.monotonic()
+            outputs, extra = getattr(self, f"_stage_{stage}")(d)
+            manifest.write(d, settings=settings, inputs=inputs, outputs=outputs, wall_s=time.monotonic() - s0,
+                           extra=extra)
+            self._say(f"{stage}: done in {time.monotonic() - s0:.0f} s")
+            redo = True
+        report = write_report(self.run_dir)
+        report["pipeline_wall_s_this_run"] = round(time.monotonic() - t0, 1)
+        return report
+
+    def _say(self, line: str) -> None:
+        if not self.quiet:
+            print(f"pipeline {self.name}: {line}", file=sys.stderr, flush=True)
+
+    def _settings(self, stage: str) -> str:
+        c = self.cfg
+        common = {"domains": c.pipeline.domains, "chaos": self.chaos}
+        by = {"sft": {"job": self.sft_cfg.model_dump(mode="json")},
+              "specialists": {"stage": c.specialists.model_dump(mode="json"),
+                              "grpo": {d: g.model_dump(mode="json") for d, g in self.grpo_cfgs.items()},
+                              "eval": c.evaluate.model_dump(mode="json")},
+              "merge": {"stage": c.merge.model_dump(mode="json"), "opd": self.opd_cfg.model_dump(mode="json")},
+              "evaluate": {"stage": c.evaluate.model_dump(mode="json")}}
+        return manifest.settings_hash({**common, **by[stage]})
+
+    def _inputs(self, stage: str) -> dict[str, str]:
+        """sha256 of the upstream outputs this stage reads (as their manifests recorded them)."""
+        upstream = {"sft": [], "specialists": ["sft"], "merge": ["sft", "specialists"],
+                    "evaluate": ["sft", "specialists", "merge"]}[stage]
+        out = {}
+        for up in upstream:
+            doc = manifest.read(self.run_dir / up) or {}
+            for name, o in doc.get("outputs", {}).items():
+                out[f"{up}/{name}"] = o["sha256"]
+        return out
+
+    def _output(self, stage: str, name: str) -> Path:
+        doc = manifest.read(self.run_dir / stage)
+        if doc is None or name not in doc["outputs"]:
+            raise RuntimeError(f"pipeline: stage {stage} has no output {name}")
+        return Path(doc["outputs"][name]["path"])
+
+    # -- running a command ---------------------------------------------------------------------------------
+    def _postrain(self, stage: str, args: list[str], log: Path, budget_s: float, watch: Path | None = None) -> None:
+        """Run `postrain ARGS` as a child that dies with the pipeline; progress from its metrics."""
+        log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "deploy.cli", *args]
+        env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+        with open(log, "ab") as out:
+            out.write(f"$ postrain {' '.join(args)}\n".encode())
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+            self._watch(proc, stage, args[0], budget_s, watch)
+        if proc.returncode != 0:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            raise UserError(f"pipeline stage {stage}: `postrain {args[0]}` failed (exit {proc.returncode}); "
+                            f"log {log}: {' | '.join(tail)}")
+
+    def _watch(self, proc, stage: str, verb: str, budget_s: float, metrics: Path | None) -> None:
+        if not self.live:
+            proc.wait()
+            return
+        from rich.live import Live
+        from rich.text import Text
+
+        t0 = time.monotonic()
+        with Live(refresh_per_second=2, transient=True) as live:
+            while proc.poll() is None:
+                el = time.monotonic() - t0
+                eta = max(0.0, budget_s - el)
+                live.update(Text(f"{stage} ({verb})  {el:5.0f} s  ETA {eta:4.0f} s  {self._latest(metrics)}"))
+                time.sleep(0.5)
+
+    @staticmethod
+    def _latest(metrics: Path | None) -> str:
+        if metrics is None or not metrics.is_file():
+            return ""
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()[-50:] if '"eval"' in line]
+        if not rows:
+            return ""
+        r = rows[-1]
+        shown = {k.removeprefix("eval_pass_at_1_").removeprefix("eval_"): v for k, v in r.items()
+                 if k.startswith("eval_pass_at_1") and isinstance(v, float)}
+        return "pass@1 " + " ".join(f"{k} {v:.2f}" for k, v in shown.items())
+
+    def _chaos(self, offset: int) -> list[str]:
+        return ["--chaos", str(self.chaos + offset)] if self.chaos is not None else []
+
+    # -- stages ------------------------------------------------------------------------------------------------
+    def _stage_sft(self, d: Path):
+        if d.exists():
+            shutil.rmtree(d)  # no checkpoints inside SFT: an interrupted one starts over
+        c = self.cfg.sft
+        self._postrain("sft", ["sft", "--out", str(d), "--config", str(self._file(c.config, "sft")), "--quiet",
+                               *(a for kv in c.set for a in ("--set", kv))], d / "log.txt", c.budget_s, d / "metrics.jsonl")
+        return {"base": d / "final"}, {}
+
+    def _evaluate(self, ckpt: Path, domains: list[str]) -> dict[str, float]:
+        from core.hf import load_policy
+        from learner.config import EvalConfig
+        from learner.evaluate import evaluate
+
+        e = self.cfg.evaluate
+        model, tok = load_policy(ckpt)
+        cfg = EvalConfig(n=e.n, seed=e.seed, max_new_tokens=e.max_new_tokens)
+        return {dom: evaluate(model, tok, dom, cfg)["pass_at_1"] for dom in domains}
+
+    def _stage_specialists(self, d: Path):
+        c, base = self.cfg.specialists, self._output("sft", "base")
+        d.mkdir(parents=True, exist_ok=True)
+        base_eval = self._evaluate(base, self.cfg.pipeline.domains)
+        write_atomic(d / "base_eval.json", json.dumps(base_eval, indent=2).encode())
+        train = [dom for dom in self.cfg.pipeline.domains if base_eval[dom] < c.skip_at]
+        for dom in self.cfg.pipeline.domains:
+            if dom not in train:
+                self._say(f"specialists: {dom}: the base is at {base_eval[dom]:.3f} >= {c.skip_at}; it is its own teacher")
+        budget = c.budget_s * min(c.parallel, max(1, len(train))) / max(1, len(train))
+        todo = [dom for dom in train if not self._specialist_done(d / dom)]
+        running: list[tuple[str, subprocess.Popen]] = []
+        for i, dom in enumerate(todo):
+            while len(running) >= c.parallel:
+                running = self._reap(running)
+            running.append((dom, self._start_specialist(d / dom, dom, base, budget, train.index(dom))))
+        while running:
+            running = self._reap(running)
+        outputs = {dom: (d / dom / "final" if dom in train else base) for dom in self.cfg.pipeline.domains}
+        return outputs, {"base_eval": base_eval, "trained": train}
+
+    def _specialist_done(self, out: Path) -> bool:
+        marker = out / "done.json"
+        if not marker.is_file():
+            return False
+        try:
+            return json.loads(marker.read_text())["final_sha256"] == sha256_tree(out / "final")
+        except (ValueError, KeyError, OSError):
+            return False
+
+    def _start_specialist(self, out: Path, dom: str, base: Path, budget_s: float, index: int):
+        c = self.cfg.specialists
+        resume = (out / "grpo_run.json").is_file()
+        if not resume and out.exists():
+            shutil.rmtree(out)  # killed before the run was set up: nothing to resume
+        args = ["grpo", "--domain", dom, "--init", str(base), "--out", str(out), "--iterations", str(c.iterations),
+                "--config", str(self._file(c.config, "specialists")), "--quiet", *self._chaos(index),
+                *(a for kv in c.set for a in ("--set", kv))]
+        if c.use_budget:
+            args += ["--set", f"loop.time_budget_s={max(30.0, budget_s - self._spent(out)):.0f}"]
+        if resume:
+            args.append("--resume")
+        log = out.parent / f"{dom}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        f = open(log, "ab")
+        f.write(f"$ postrain {' '.join(args)}\n".encode())
+        f.flush()
+        self._say(f"specialists: {dom}: GRPO from the base ({'resumed' if resume else 'started'}; log {log})")
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"},
+                                preexec_fn=_die_with_parent)
+        proc.log, proc.out, proc.dom = log, out, dom
+        f.close()
+        if self.cfg.specialists.parallel == 1:
+            self._watch(proc, "specialists", f"grpo {dom}", budget_s, out / "metrics.jsonl")
+        return proc
+
+    @staticmethod
+    def _spent(out: Path) -> float:
+        """Wall seconds an interrupted run already spent (its last metrics row)."""
+        path = out / "metrics.jsonl"
+        if not path.is_file():
+            return 0.0
+        lines = path.read_text().strip().splitlines()
+        try:
+            return float(json.loads(lines[-1]).get("time_s", 0.0)) if lines else 0.0
+        except ValueError:
+            return 0.0
+
+    def _reap(self, running: list) -> list:
+        still = []
+        for dom, proc in running:
+            code = proc.poll()
+            if code is None:
+                still.append((dom, proc))
+                continue
+            if code != 0:
+                for _, other in running:
+                    if other.poll() is None:
+                        other.kill()
+                tail = proc.log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise UserError(f"pipeline stage specialists: GRPO on {dom} failed (exit {code}); log {proc.log}: "
+                                f"{' | '.join(tail)}")
+            write_atomic(proc.out / "done.json",
+                         json.dumps({"final_sha256": sha256_tree(proc.out / "final")}).encode())
+            self._say(f"specialists: {dom}: done")
+        if len(still) == len(running):
+            time.sleep(0.5)
+        return still
+
+    def _stage_merge(self, d: Path):
+        c = self.cfg.merge
+        teachers = {dom: self._output("specialists", dom) for dom in self.cfg.pipeline.domains}
+        student = self._output("sft", "base") if c.init == "base" else Path(c.init)
+        out = d / "run"
+        done = d / "done.json"
+        if done.is_file() and (out / "final").is_dir():
+            return {"merged": out / "final"}, {"teachers": {k: str(v) for k, v in teachers.items()}}
+        resume = (out / "opd_run.json").is_file()
+        if not resume and d.exists():
+            shutil.rmtree(d)
+        args = ["opd", "--student", str(student), "--out", str(out), "--iterations", str(c.iterations),
+                "--config", str(self._file(c.config, "merge")), "--quiet", *self._chaos(100),
+                *(f"--teacher={dom}={p}" for dom, p in teachers.items()),
+                *(a for kv in c.set for a in ("--set", kv))]
+        if c.use_budget:
+            args += ["--set", f"loop.time_budget_s={max(30.0, c.budget_s - self._spent(out)):.0f}"]
+        if resume:
+            args.append("--resume")
+        self._postrain("merge", args, d / "log.txt", c.budget_s, out / "metrics.jsonl")
+        write_atomic(done, b"{}")
+        return {"merged": out / "final"}, {"teachers": {k: str(v) for k, v in teachers.items()}}
+
+    def _stage_evaluate(self, d: Path):
+        d.mkdir(parents=True, exist_ok=True)
+        domains = self.cfg.pipeline.domains
+        trained = (manifest.read(self.run_dir / "specialists") or {}).get("trained", [])
+        models = {"base": self._output("sft", "base"),
+                  **{f"specialist:{dom}": self._output("specialists", dom) for dom in trained},
+                  "merged": self._output("merge", "merged")}
+        results = {}
+        for name, path in models.items():
+            t0 = time.monotonic()
+            results[name] = self._evaluate(path, domains)
+            self._say(f"evaluate: {name}: " + "  ".join(f"{k} {v:.3f}" for k, v in results[name].items())
+                      + f" ({time.monotonic() - t0:.0f} s)")
+        doc = {"n": self.cfg.evaluate.n, "seed": self.cfg.evaluate.seed, "models": {k: str(v) for k, v in models.items()},
+               "pass_at_1": results}
+        write_atomic(d / "results.json", json.dumps(doc, indent=2).encode())
+        return {"results": d / "results.json"}, {}
+
+
+def run_pipeline(cfg: PipelineConfig, name: str, runs: str | Path = "runs", **kw) -> dict:
+    return Pipeline(cfg, name, runs, **kw).run()
+
+
+def wall_minutes(run_dir: Path) -> float:
+    total = 0.0
+    for stage in STAGES[:-1]:
+        doc = manifest.read(Path(run_dir) / stage)
+        total += doc.get("wall_s", 0.0) if doc else 0.0
+    return math.ceil(total / 6) / 10
