@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench._device import cpu_name as device
+from bench._device import run_meta
 from bench._power_loss import canaries as canary_defs
 from bench._power_loss import step_ab
 from bench._power_loss.cases import CASES, make_case, run_default
@@ -29,16 +30,6 @@ from bench._power_loss.trials import KINDS, Outcome, run_trial
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "power_loss.json"
 SHARES = {"wal": 0.42, "envlog": 0.14, "dataplane": 0.16, "snapshot": 0.14, "checkpoint": 0.14}
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def run_cases(total_cuts: int, say) -> dict[str, Outcome]:
@@ -79,7 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS), help="write the JSON here too ('-' for nowhere)")
     args = ap.parse_args(argv)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
-    result: dict = {"benchmark": "power_loss", "device": device(), "git_commit": git_commit(),
+    result: dict = {"benchmark": "power_loss", "device": device(), "meta": run_meta(),  # the commit measured
                     "load_average_1m_at_start": round(os.getloadavg()[0], 2)}
     t_start = time.perf_counter()
     outcomes = run_cases(args.cuts, say)
@@ -115,7 +106,6 @@ def main(argv=None) -> int:
                                                              "wrong)", "met": violations <= 0},
     }
     result["elapsed_s"] = round(time.perf_counter() - t_start, 1)
-    result["date_utc"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     result["load_average_1m_at_end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(result, indent=2)
     if args.out != "-":
