@@ -63,10 +63,10 @@ class Pipeline:
         from deploy.job_config import JobConfig
         from deploy.opd_config import OPDLoopConfig
 
-        self.sft_cfg = config.load(JobConfig, self._file(cfg.sft.config, "sft"), cfg.sft.set)
-        self.grpo_cfgs = {d: load_for_domain(self._file(cfg.specialists.config, "specialists"), d, cfg.specialists.set)
+        self.sft_cfg = config.load(JobConfig, self._file(cfg.sft.config, "sft"), self._sets("sft"))
+        self.grpo_cfgs = {d: load_for_domain(self._file(cfg.specialists.config, "specialists"), d, self._sets("specialists"))
                           for d in cfg.pipeline.domains}
-        self.opd_cfg = config.load(OPDLoopConfig, self._file(cfg.merge.config, "merge"), cfg.merge.set)
+        self.opd_cfg = config.load(OPDLoopConfig, self._file(cfg.merge.config, "merge"), self._sets("merge"))
         missing = [d for d in self.opd_cfg.loop.domains if d not in cfg.pipeline.domains]
         if missing:
             raise UserError(f"pipeline: merge samples domain(s) {missing} that the pipeline has no teacher for "
@@ -84,6 +84,14 @@ class Pipeline:
             shown = ", ".join(f"{k} {v:.0f} s" for k, v in budgets.items())
             raise UserError(f"pipeline: the stage budgets ({shown}; {total / 60:.1f} min) do not fit "
                             f"pipeline.budget_min = {cfg.pipeline.budget_min} min")
+
+    SEEDED = {"sft": ("sft.seed", "policy.seed"), "specialists": ("loop.seed", "pool.seed", "learner.seed"),
+              "merge": ("loop.seed", "pool.seed", "learner.seed")}
+
+    def _sets(self, stage: str) -> list[str]:
+        """The stage's --set overrides, then pipeline.seed on every seed of its command (when not 0)."""
+        seed = self.cfg.pipeline.seed
+        return list(getattr(self.cfg, stage).set) + ([f"{k}={seed}" for k in self.SEEDED[stage]] if seed else [])
 
     def _file(self, name: str, stage: str) -> Path:
         p = config_path(name)
@@ -219,7 +227,7 @@ class Pipeline:
             shutil.rmtree(d)  # no checkpoints inside SFT: an interrupted one starts over
         c = self.cfg.sft
         self._postrain("sft", ["sft", "--out", str(d), "--config", str(self._file(c.config, "sft")), "--quiet",
-                               *(a for kv in c.set for a in ("--set", kv))], d / "log.txt", c.budget_s, d / "metrics.jsonl")
+                               *(a for kv in self._sets("sft") for a in ("--set", kv))], d / "log.txt", c.budget_s, d / "metrics.jsonl")
         return {"base": d / "final"}, {}
 
     def _evaluate(self, ckpt: Path, domains: list[str]) -> dict[str, float]:
@@ -269,7 +277,7 @@ class Pipeline:
             shutil.rmtree(out)  # killed before the run was set up: nothing to resume
         args = ["grpo", "--domain", dom, "--init", str(base), "--out", str(out), "--iterations", str(c.iterations),
                 "--config", str(self._file(c.config, "specialists")), "--quiet", *self._chaos(index),
-                *(a for kv in c.set for a in ("--set", kv))]
+                *(a for kv in self._sets("specialists") for a in ("--set", kv))]
         if c.use_budget:
             args += ["--set", f"loop.time_budget_s={max(30.0, budget_s - self._spent(out)):.0f}"]
         if resume:
@@ -336,7 +344,7 @@ class Pipeline:
         args = ["opd", "--student", str(student), "--out", str(out), "--iterations", str(c.iterations),
                 "--config", str(self._file(c.config, "merge")), "--quiet", *self._chaos(100),
                 *(f"--teacher={dom}={p}" for dom, p in teachers.items()),
-                *(a for kv in c.set for a in ("--set", kv))]
+                *(a for kv in self._sets("merge") for a in ("--set", kv))]
         if c.use_budget:
             args += ["--set", f"loop.time_budget_s={max(30.0, c.budget_s - self._spent(out)):.0f}"]
         if resume:

@@ -17,6 +17,8 @@ class PipelineTable(Config):
     domains: list[str] = Field(["arith", "reverse", "calc"], min_length=1, description="domains of the whole pipeline")
     budget_min: float = Field(30.0, gt=0, le=1e6, description="wall budget of the whole pipeline in minutes; the "
                               "stages' budgets must fit in it")
+    seed: int = Field(0, ge=0, description="seed of every stage (SFT data and init, prompt draws, sampling, learner); "
+                                           "0 = each stage config's own seeds")
 
 
 class SFTStage(Config):
