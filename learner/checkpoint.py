@@ -120,7 +120,12 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
             raise UserError(f"no learner checkpoint at {path} (state.json missing); pass a directory "
                             "written by the GRPO learner, e.g. RUN/checkpoints/iter_00000010")
         path = found
-    state = json.loads((path / "state.json").read_text())
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except ValueError:
+        raise UserError(f"checkpoint {path}: state.json is not JSON (cut short?); use an older checkpoint") from None
+    if not isinstance(state, dict):
+        raise UserError(f"checkpoint {path}: state.json is not a JSON object; use an older checkpoint")
     if state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT} "
                         "(format 1 held pickled objects, which are not loaded: loading them could run code)")

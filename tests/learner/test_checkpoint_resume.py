@@ -125,3 +125,15 @@ def test_crafted_pickle_in_a_checkpoint_is_refused_and_runs_nothing(tmp_path, vi
     with pytest.raises(UserError, match=f"{victim} holds objects other than tensors.*refused.*exec"):
         group.load_checkpoint(path)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("text", ["", "{\"format\": 2", "[1, 2]"])
+def test_a_damaged_state_json_is_one_clear_error(tmp_path, text):
+    from core.errors import UserError
+    from learner.checkpoint import read_checkpoint
+
+    ckpt = tmp_path / "iter_00000001"
+    ckpt.mkdir()
+    (ckpt / "state.json").write_text(text)
+    with pytest.raises(UserError, match="state.json is not"):
+        read_checkpoint(ckpt)
