@@ -11,6 +11,8 @@ from pydantic import BaseModel
 
 from core import config as config_mod
 
+SERVICES_DIR = "services"  # RUN_DIR/services/: state of services a run started for itself (a fresh run dir may hold it)
+
 
 class RunDir:
     def __init__(self, path: str | Path):

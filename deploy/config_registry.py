@@ -16,6 +16,7 @@ SHIPPED: dict[str, str] = {
     "grpo_loop": "deploy.grpo_config:GRPOLoopConfig",
     "opd": "deploy.opd_config:OPDLoopConfig",
     "pipeline": "deploy.pipeline_config:PipelineConfig",
+    "cluster": "deploy.cluster_config:ClusterConfig",
 }
 
 

@@ -44,6 +44,7 @@ from core.hf import resolve_checkpoint
 from deploy.grpo_config import GRPOLoopConfig
 from deploy.mixture import domain_shares
 from core.rundir import RunDir
+from core.rundir import SERVICES_DIR
 
 # Metrics that depend on wall time or machine load, not on the seeded computation.
 TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s")
@@ -184,7 +185,7 @@ class GRPOLoop:
             if old["domain"] != self.domain:
                 raise UserError(f"grpo: {self.out} trains domain {old['domain']!r}, not {self.domain!r}")
             return
-        if self.out.exists() and any(self.out.iterdir()):
+        if self.out.exists() and any(p.name != SERVICES_DIR for p in self.out.iterdir()):
             raise UserError(f"grpo: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
         self.out.mkdir(parents=True, exist_ok=True)
         from core.atomic import write_atomic

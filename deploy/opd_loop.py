@@ -33,6 +33,7 @@ import rewards
 from core.errors import UserError
 from core.hf import resolve_checkpoint
 from core.rundir import RunDir
+from core.rundir import SERVICES_DIR
 from deploy.grpo_loop import _IterationSink, batch_name
 from deploy.mixture import domain_shares
 from deploy.opd_config import OPDLoopConfig
@@ -114,7 +115,7 @@ class OPDLoop:
                 raise UserError(f"opd: {self.out} was trained with other teachers ({[t['name'] + ' ' + t['path'] for t in old['teachers']]}); "
                                 "--resume needs the same teacher set (paths, weights and weights fingerprints)")
             return old["run_id"]
-        if self.out.exists() and any(self.out.iterdir()):
+        if self.out.exists() and any(p.name != SERVICES_DIR for p in self.out.iterdir()):
             raise UserError(f"opd: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
         self.out.mkdir(parents=True, exist_ok=True)
         from core.atomic import write_atomic
@@ -148,7 +149,8 @@ class OPDLoop:
         self.group = self.prefill = None
         try:
             self.prefill = Prefillers(cfg.opd.teacher_workers, threads=1,
-                                      batch_tokens=1 if cfg.engine.strict else cfg.opd.prefill_batch_tokens)
+                                      batch_tokens=1 if cfg.engine.strict else cfg.opd.prefill_batch_tokens,
+                                      num_cpus=cfg.opd.teacher_cpus, num_gpus=cfg.opd.teacher_gpus)
             self.group = LearnerGroup(cfg.learner_config(), str(self.student), num_cpus_per_rank=0,
                                       make_learner=opd_learner)
             self.group.learner_call("set_teachers", self.teachers)

@@ -21,6 +21,8 @@ class OPDConfig(Config):
     kl_chunk_tokens: int = Field(0, ge=0, le=1 << 20, description="token chunk of the KL kernel; 0 = from the vocabulary size")
     prefetch: bool = Field(True, description="read the next teacher head and hidden states while the current ones train")
     teacher_workers: int = Field(1, ge=0, le=1024, description="teacher prefill Ray actors; 0 = in the driver's process")
+    teacher_cpus: float = Field(0.0, ge=0, le=1024, description="Ray CPUs each teacher actor reserves (0: shares the machine)")
+    teacher_gpus: float = Field(0.0, ge=0, le=64, description="Ray GPUs each teacher actor reserves")
     prefill_batch_tokens: int = Field(8192, ge=16, le=1 << 26, description="tokens per teacher prefill forward")
     teachers: dict[str, Any] = Field(default_factory=dict, description='domain -> checkpoint dir, or a list of '
                                      '{path = "...", weight = w}; --teacher D=DIR adds to it')

@@ -112,14 +112,16 @@ class Prefillers:
     """The teacher workers of a run: `workers` Ray actors, or one in-process TeacherPrefill when 0."""
 
     def __init__(self, workers: int, device: str = "cpu", threads: int = 1, batch_tokens: int = 8192,
-                 max_replacements: int = 100):
+                 max_replacements: int = 100, num_cpus: float = 0.0, num_gpus: float = 0.0):
         self.workers, self.device, self.threads, self.batch_tokens = workers, device, threads, batch_tokens
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.local = TeacherPrefill(device, threads, batch_tokens) if workers == 0 else None
         self.actors = [self._new() for _ in range(workers)]
         self.replacements, self.max_replacements = 0, max_replacements
 
     def _new(self):
-        return TeacherActor.remote(self.device, self.threads, self.batch_tokens)
+        return TeacherActor.options(num_cpus=self.num_cpus, num_gpus=self.num_gpus).remote(
+            self.device, self.threads, self.batch_tokens)
 
     def pids(self) -> list[int]:
         import ray

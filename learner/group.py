@@ -167,6 +167,9 @@ def _get_first_error(refs: list) -> list:
     return ray.get(refs)
 
 
+PLACEMENT_WAIT_S = 120.0  # longest wait for the ranks' placement group before it is an error
+
+
 class LearnerGroup:
     """N learner ranks; one rank runs in this process, more run as Ray actors."""
 
@@ -185,8 +188,23 @@ class LearnerGroup:
         if not ray.is_initialized():
             raise RuntimeError("a learner group of more than one rank needs ray.init() first")
         gpus = 1 if pick_device(cfg.learner.device).type == "cuda" else 0
-        Actor = ray.remote(num_cpus=num_cpus_per_rank, num_gpus=gpus)(LearnerWorker)
-        self.actors = [Actor.remote(cfg, policy, r, self.ranks, dtype, join=False, make_learner=make_learner)
+        cpus = max(num_cpus_per_rank, getattr(cfg.learner, "cpus_per_rank", 0.0))
+        Actor = ray.remote(num_cpus=cpus, num_gpus=gpus)(LearnerWorker)
+        self.pg, options = None, [{} for _ in range(self.ranks)]
+        if cpus or gpus:  # the ranks as one placement group (a bundle per rank), placed by the configured strategy
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            bundle = {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v}
+            self.pg = placement_group([dict(bundle) for _ in range(self.ranks)], strategy=cfg.learner.placement)
+            if not self.pg.wait(timeout_seconds=PLACEMENT_WAIT_S):
+                ray.util.remove_placement_group(self.pg)
+                raise RuntimeError(f"learner: {self.ranks} ranks of {bundle} ({cfg.learner.placement}) could not be "
+                                   f"placed in {PLACEMENT_WAIT_S:.0f}s; the cluster lacks the resources")
+            options = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r)}
+                       for r in range(self.ranks)]
+        self.actors = [Actor.options(**options[r]).remote(cfg, policy, r, self.ranks, dtype, join=False,
+                                                          make_learner=make_learner)
                        for r in range(self.ranks)]
         # Rank 0 hosts the process group's store, so the address must be on rank 0's node.
         master = ray.get(self.actors[0].rendezvous.remote())
@@ -275,3 +293,6 @@ class LearnerGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+        if getattr(self, "pg", None) is not None:
+            ray.util.remove_placement_group(self.pg)
+            self.pg = None

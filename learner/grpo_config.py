@@ -76,6 +76,10 @@ class LearnerConfig(Config):
                                                               "(long packs: less memory, ~1/3 more compute)")
     threads: int = Field(0, ge=0, le=256, description="torch CPU threads per rank; 0 = cores / ranks")
     seed: int = Field(0, ge=0, description="learner RNG seed")
+    cpus_per_rank: float = Field(0.0, ge=0, le=1024, description="Ray CPUs each learner rank reserves when ranks > 1 "
+                                 "(0: the embedded default, ranks share the machine)")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="placement group strategy of the ranks when they reserve resources")
 
 
 class GRPOConfig(Config):

@@ -1,6 +1,8 @@
 """Configs of the rollout path: the engine, the pool, and a `postrain rollout` run (configs/rollout.toml)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from core.config import Config
@@ -33,8 +35,17 @@ class PoolConfig(Config):
     threads_per_worker: int = Field(1, ge=1, le=256, description="torch threads pinned in each actor")
     steps_per_call: int = Field(8, ge=1, le=4096, description="decode steps a worker runs per call before reporting")
     seed: int = Field(0, ge=0, description="run seed: trajectory ids and sampling follow from it")
-    wal_addr: str = Field("", description="WAL service host:port; empty = an in-process WAL per worker under the run dir")
-    sandbox_addr: str = Field("", description="sandbox service host:port; empty = the pool starts a local one")
+    wal_addr: str = Field("", description="WAL service host:port, or several comma-separated (the shard map: a trajectory "
+                          "goes to shard crc32(id) mod n; keep the order for the life of a run); empty = an in-process "
+                          "WAL per worker under the run dir")
+    sandbox_addr: str = Field("", description="sandbox service host:port, or several comma-separated (worker k uses "
+                              "replica k mod n); empty = the pool starts a local one")
+    worker_cpus: float = Field(0.0, ge=0, le=1024, description="Ray CPUs each rollout actor reserves (0: the embedded "
+                               "default, actors share the machine and pin torch to threads_per_worker)")
+    worker_gpus: float = Field(0.0, ge=0, le=64, description="Ray GPUs each rollout actor reserves")
+    worker_strategy: Literal["DEFAULT", "SPREAD"] = Field("DEFAULT", description="Ray scheduling of the actors: "
+                                                          "SPREAD puts them on as many nodes as it can")
+    local_cpus: int = Field(2, ge=1, le=4096, description="CPUs of the local Ray started when no cluster is named")
     sandbox_isolate_pure: bool = Field(True, description="the local sandbox also isolates the pure calc tool; false "
                                        "answers it in the service process (fast; python stays isolated)")
     snapshot_uri: str = Field("", description="KV snapshot store (dir or pyarrow.fs URI); empty = RUN_DIR/kv")

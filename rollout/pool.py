@@ -23,6 +23,7 @@ from pathlib import Path
 
 from rollout.chaos import Fault
 from rollout.config import EngineConfig, PoolConfig
+from rollout.ray_cluster import init_ray
 from rollout.types import Finished, Request, WorkerReport
 from rollout.worker import WorkerSpec
 
@@ -33,6 +34,8 @@ class _Slot:
     spec: WorkerSpec
     actor: object = None
     pid: int = 0
+    node: str = ""  # Ray node id of the current incarnation
+    nodes: list = field(default_factory=list)  # node id of every incarnation, in order
     incarnation: int = 0
     ref: object = None  # the outstanding run() call
     backlog: deque = field(default_factory=deque)  # requests not yet handed to the current incarnation
@@ -50,16 +53,7 @@ class PoolResult:
     tokens_resampled: int
     replacements: int
     wall_s: float
-
-
-def init_ray(num_cpus: int = 2) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        # Ray starts its workers at nice 15: on a shared machine the rollout actors then wait behind every
-        # other process while the driver (nice 0) waits for them. Same priority as the driver, unless set.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    worker_nodes: dict[int, list[str]] = field(default_factory=dict)  # slot -> Ray node id of each incarnation
 
 
 class RolloutPool:
@@ -67,12 +61,14 @@ class RolloutPool:
                  *, sink=None, max_tool_calls: int = 4, use_tools: bool = True, progress=None, spares: int = 0):
         import ray
 
-        init_ray()
+        init_ray(num_cpus=pool.local_cpus)
         self.ray = ray
         self.cfg, self.sink, self.progress = pool, sink, progress
         self.run_dir = Path(run_dir)
         self.sandbox = None
-        target, token = pool.sandbox_addr, os.environ.get("POSTRAIN_SANDBOX_TOKEN", "")
+        sandboxes = [a.strip() for a in pool.sandbox_addr.split(",") if a.strip()]
+        token = os.environ.get("POSTRAIN_SANDBOX_TOKEN", "")
+        target = ",".join(sandboxes)
         if use_tools and not target:  # embedded default: a local sandbox service for this run
             from rewards.sandbox.config import SandboxConfig
             from rewards.sandbox.server import SandboxServer
@@ -80,12 +76,14 @@ class RolloutPool:
             self.sandbox = SandboxServer(SandboxConfig(log_dir=self.run_dir / "sandbox",
                                                        isolate_pure_tools=pool.sandbox_isolate_pure))
             target, token = self.sandbox.target, self.sandbox.token
+            sandboxes = [target]
         snap = pool.snapshot_uri or str(self.run_dir / "kv")
         self.weights_ref, self.version = None, 0
         self.slots = [
             _Slot(k, WorkerSpec(name=f"w{k}", checkpoint=str(checkpoint), wal_path=str(self.run_dir / "wal" / str(k)),
                                 snapshot_uri=snap, seed=pool.seed, engine=engine, threads=pool.threads_per_worker,
-                                wal_addr=pool.wal_addr, sandbox_target=target if use_tools else "",
+                                wal_addr=pool.wal_addr, wal_token=os.environ.get("POSTRAIN_WAL_TOKEN") or None,
+                                sandbox_target=sandboxes[k % len(sandboxes)] if use_tools and sandboxes else "",
                                 sandbox_token=token, max_tool_calls=max_tool_calls,
                                 max_commit_lag=pool.max_commit_lag, commit_group_steps=pool.commit_group_steps))
             for k in range(pool.workers)
@@ -100,27 +98,39 @@ class RolloutPool:
         self._live_counters: dict[int, dict] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
-    def _start(self, *slots: _Slot) -> None:
+    def _actor(self, *args):
+        """A new rollout actor with the pool's resources per worker (config) and placement strategy."""
         from rollout.worker import RolloutActor
 
+        c = self.cfg
+        return RolloutActor.options(name=None, num_cpus=c.worker_cpus, num_gpus=c.worker_gpus,
+                                    scheduling_strategy=c.worker_strategy).remote(*args)
+
+    def _start(self, *slots: _Slot) -> None:
         refs = []
         for slot in slots:
             if self._spares:
                 slot.actor = self._spares.popleft()
                 refs.append(slot.actor.start.remote(slot.spec, self.weights_ref, self.version))
             else:
-                slot.actor = RolloutActor.options(name=None).remote(slot.spec, self.weights_ref, self.version)
+                slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
                 refs.append(slot.actor.pid.remote())
         for slot, ref in zip(slots, refs):
             try:
                 slot.pid = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
+                slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
             except self.ray.exceptions.RayActorError:  # a spare that died while waiting: start a fresh actor
-                slot.actor = RolloutActor.options(name=None).remote(slot.spec, self.weights_ref, self.version)
+                slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
                 slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
+                slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
+            except self.ray.exceptions.GetTimeoutError:
+                raise RuntimeError(f"rollout pool: worker {slot.index} did not start in {self.cfg.call_timeout_s}s "
+                                   f"(are {self.cfg.worker_cpus:g} CPU / {self.cfg.worker_gpus:g} GPU free on a node?)") from None
+            slot.nodes.append(slot.node)
             slot.incarnation += 1
             slot.ref = None
         while len(self._spares) < self.spares:  # warming in the background; nobody waits for it
-            self._spares.append(RolloutActor.options(name=None).remote())
+            self._spares.append(self._actor())
 
     def _replace(self, slot: _Slot, why: str) -> None:
         if self.replacements >= self.cfg.max_replacements:
@@ -192,7 +202,7 @@ class RolloutPool:
             final = self._done[traj].tokens
             lost += sum(1 for pos, t in seen.items() if pos >= len(final) or final[pos] != t)
         return PoolResult(dict(self._done), Counter(self.faults), counters, lost, self._resampled,
-                          self.replacements, time.monotonic() - t0)
+                          self.replacements, time.monotonic() - t0, {s.index: list(s.nodes) for s in self.slots})
 
     def _flush_acks(self) -> None:
         """Let every worker finalize what the sink took since its last call (bounded retries through replacement)."""

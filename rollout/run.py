@@ -17,6 +17,7 @@ from core.errors import UserError
 from core.hf import resolve_checkpoint
 from rollout import chaos as chaos_mod
 from rollout.config import RolloutConfig
+from core.rundir import SERVICES_DIR
 from rollout.sampling import SamplingParams
 from rollout.types import Request
 
@@ -31,13 +32,15 @@ def requests_for(domain: str, n: int, cfg: RolloutConfig) -> list[Request]:
 
 
 def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int, out: str | Path,
-                chaos_seed: int | None = None, faults: int = 5, quiet: bool = False) -> dict:
+                chaos_seed: int | None = None, faults: int = 5, quiet: bool = False, catalog: str = "",
+                store: str = "") -> dict:
+    """`catalog` / `store`: the data plane (a PostgreSQL URL, a pyarrow.fs URI); empty = in `out`."""
     from core.progress import progress
     from rollout.pool import RolloutPool
     from rollout.sink import DataPlaneSink
 
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.exists() and any(p.name != SERVICES_DIR for p in out.iterdir()):
         raise UserError(f"rollout: output directory {out} is not empty; pick a fresh --out (its WAL would resume an old run)")
     checkpoint = resolve_checkpoint(checkpoint)
     try:
@@ -50,7 +53,7 @@ def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int,
     rd.save_config(cfg)
     requests = requests_for(domain, n, cfg)
     schedule = chaos_mod.schedule(chaos_seed, cfg.pool.workers, faults) if chaos_seed is not None else []
-    sink = DataPlaneSink(str(out / "catalog.db"), str(out / "store"), run=out.name)
+    sink = DataPlaneSink(catalog or str(out / "catalog.db"), store or str(out / "store"), run=out.name)
     t0 = time.monotonic()
     # Ray prints worker-death notices on stdout; keep stdout for the report (`--json`)
     with progress("rollout", len(requests), quiet=quiet) as advance, contextlib.redirect_stdout(sys.stderr):
@@ -76,6 +79,7 @@ def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int,
         "tokens_lost": res.tokens_lost, "tokens_resampled": res.tokens_resampled,
         "tool_calls": {"executed": c["tool_executed"], "recorded": c["tool_recorded"]},
         "tokens_committed": c["tokens_committed"], "replacements": res.replacements, "wall_s": round(wall, 3),
+        "worker_nodes": {str(k): v for k, v in res.worker_nodes.items()},
     }
     write_atomic(out / "report.json", json.dumps(report, indent=2).encode())
     for i, t in enumerate(trajs):  # per-trajectory metrics (seed order) and their plot next to the report

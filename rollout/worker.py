@@ -300,6 +300,9 @@ try:
         def pid(self) -> int:
             return os.getpid()
 
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
         def run(self, requests: list[Request], finalize: list[str], max_steps: int) -> WorkerReport:
             self.w.finalize(finalize)
             self.w.submit(requests)

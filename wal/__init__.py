@@ -17,6 +17,7 @@ gRPC log service; also the per-sandbox environment log.
     wal.proto     gRPC service; wal_pb2.py / wal_pb2_grpc.py are generated from it (grpcio-tools)
     grpc_poller.py  `grpc`, loaded with the poller that polls in the waiting thread (fewer thread wake-ups per step)
     server.py     gRPC log service (auth, bounded messages, streaming append with durable acks)
+    sharded.py    ShardedWAL: one TokenLog over several services, shard = crc32(trajectory id) mod n
     client.py     RemoteWAL: TokenLog over gRPC (append stream on grpc.aio in the caller's thread), reconnects and retries idempotently
 """
 from __future__ import annotations
@@ -55,7 +56,20 @@ def open_envlog(path: str | Path, config: WALConfig | None = None, *, repair: bo
 
 
 def connect(address: str, token: str | None = None, **kwargs):
-    """A TokenLog served by `postrain wal serve` at host:port (gRPC); see wal.client.RemoteWAL."""
+    """A TokenLog served by `postrain wal serve` at host:port (gRPC); see wal.client.RemoteWAL. Several
+    comma-separated addresses: one log sharded over those services by trajectory id (wal.sharded)."""
     from wal.client import RemoteWAL
+    from wal.sharded import ShardedWAL, parse_addresses
 
-    return RemoteWAL(address, token=token, **kwargs)
+    addresses = parse_addresses(address)
+    if len(addresses) == 1:
+        return RemoteWAL(addresses[0], token=token, **kwargs)
+    logs = []
+    try:
+        for a in addresses:
+            logs.append(RemoteWAL(a, token=token, **kwargs))
+    except BaseException:
+        for log in logs:
+            log.close()
+        raise
+    return ShardedWAL(logs)

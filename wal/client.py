@@ -7,6 +7,10 @@ acknowledged; the server treats exact repeats as no-ops, so a retry neither lose
 token. Errors that retrying cannot fix (gap, rewrite, finalized, malformed) raise the matching wal
 exception and drop the queued chunks of that batch. Retries are bounded by `retry_s`.
 
+Back-pressure: a service at its concurrent-call bound answers RESOURCE_EXHAUSTED; the client waits
+(exponential backoff with jitter, `backoff_s`) and tries again within the same `retry_s`, and only
+then raises RemoteError saying the service was overloaded. Nothing unacknowledged is confirmed.
+
 The append stream runs on a grpc.aio channel driven by a private event loop in the caller's thread
 (_AppendStream): the sync API would consume the requests on a thread of its own, with two more thread
 hand-offs per commit. Reads, finalize and stats are unary calls on a sync channel.
@@ -16,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import random
 import threading
 import time
 from concurrent import futures
@@ -34,6 +39,18 @@ _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCod
 _ERRORS = {"GapError": GapError, "ConflictError": ConflictError, "FinalizedError": FinalizedError,
            "CodecError": codec.CodecError}
 _MAX_UNACKED = 16  # requests held for resending before an append forces a commit
+BACKOFF_FIRST_S, BACKOFF_MAX_S = 0.05, 2.0  # waits between tries while the service sheds load
+
+
+def overloaded(err: BaseException) -> bool:
+    """The service refused a call for load (its concurrent-call bound), not for what the call carries."""
+    return (isinstance(err, grpc.RpcError) and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "larger than max" not in (err.details() or ""))
+
+
+def backoff_s(attempt: int) -> float:
+    """Exponential backoff with jitter: attempt 0 waits ~BACKOFF_FIRST_S, growing to BACKOFF_MAX_S."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** attempt) * (0.5 + random.random() / 2)
 
 
 class AuthError(WALError, PermissionError):
@@ -80,6 +97,7 @@ class RemoteWAL(TokenLog):
         self._unacked: list[pb.AppendRequest] = []  # sent on the current stream (or to send), not yet acknowledged
         self._closed = False
         self.reconnects = 0
+        self.overload_waits = 0  # back-off waits after the service refused a call for load
 
     # --- append stream ---
     def append(self, traj_id: str, start: int, tokens: Sequence[int], logprobs: Sequence[float], policy_version: int) -> int:
@@ -157,6 +175,7 @@ class RemoteWAL(TokenLog):
         """Send the queued chunks with commit=true and wait for the ack, reconnecting and resending as needed."""
         req, sent = self._send(commit=True)
         deadline = time.monotonic() + self.retry_s
+        shed = 0  # tries the service refused for load
         while True:
             try:
                 ack = self._appends.write_and_read(None if sent else req)
@@ -166,13 +185,26 @@ class RemoteWAL(TokenLog):
                 return ack.durable_lsn
             except (grpc.RpcError, _StreamEnded) as exc:
                 self._appends.cancel()
-                if isinstance(exc, grpc.RpcError) and exc.code() not in _RETRY:
+                if overloaded(exc):  # back-pressure: wait and try again, within retry_s
+                    self._wait_out_load(deadline, shed, exc)
+                    shed += 1
+                elif isinstance(exc, grpc.RpcError) and exc.code() not in _RETRY:
                     self._unacked.clear()
                     raise _to_exception(exc) from None
                 self._await_server(deadline, exc)
                 self.reconnects += 1
                 self._appends.open(self._unacked)
                 sent = True
+
+    def _wait_out_load(self, deadline: float, attempt: int, exc: BaseException) -> None:
+        wait = backoff_s(attempt)
+        if time.monotonic() + wait > deadline:
+            self._unacked.clear()
+            raise RemoteError(f"WAL service {self.address} refused this client for load for {self.retry_s:.0f}s "
+                              f"({attempt + 1} tries, last: {exc.details()}); raise its serve.max_workers or "
+                              f"shard the log over more services; unacknowledged appends were not confirmed") from None
+        self.overload_waits += 1
+        time.sleep(wait)
 
     def _await_server(self, deadline: float, exc: BaseException) -> None:
         remaining = deadline - time.monotonic()
@@ -184,11 +216,22 @@ class RemoteWAL(TokenLog):
     # --- unary calls, retried while the server is unreachable ---
     def _call(self, name: str, request):
         deadline = time.monotonic() + self.retry_s
+        attempt = 0
         while True:
             try:
                 return self._unary[name](request, metadata=self._md, wait_for_ready=True,
                                          timeout=max(0.1, deadline - time.monotonic()))
             except grpc.RpcError as exc:
+                if overloaded(exc):
+                    wait = backoff_s(attempt)
+                    if time.monotonic() + wait > deadline:
+                        raise RemoteError(f"WAL service {self.address} refused {name} for load for {self.retry_s:.0f}s "
+                                          f"({attempt + 1} tries, last: {exc.details()}); raise its serve.max_workers "
+                                          f"or shard the log over more services") from None
+                    self.overload_waits += 1
+                    attempt += 1
+                    time.sleep(wait)
+                    continue
                 if exc.code() not in _RETRY or time.monotonic() >= deadline:
                     raise _to_exception(exc) from None
                 time.sleep(0.05)

@@ -26,7 +26,9 @@ class ServeConfig(BaseModel):
     host: str = Field("127.0.0.1", description="interface to bind; anything but loopback requires a token")
     port: int = Field(50551, ge=0, le=65535, description="TCP port (0 picks a free one)")
     max_message_bytes: int = Field(16 << 20, ge=1 << 16, le=1 << 30, description="largest gRPC message accepted or sent")
-    max_workers: int = Field(32, ge=2, le=1024, description="concurrent streams and calls the service accepts")
+    max_workers: int = Field(1024, ge=2, le=65536, description="concurrent streams and calls the service accepts (each "
+                             "a coroutine of the aio server; beyond it a call gets RESOURCE_EXHAUSTED, which clients "
+                             "wait out with backoff)")
     max_read_tokens: int = Field(1 << 18, ge=1, le=1 << 22, description="tokens per read reply (longer trajectories come in chunks)")
 
 

@@ -1,5 +1,5 @@
 """`postrain grpo`: specialist GRPO on one domain from an SFT checkpoint (rollouts may be preempted underneath)."""
-from deploy.commands._common import add_config_args
+from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "grpo"
 HELP = "specialist GRPO on a domain: Ray rollouts -> verify -> data plane -> learner -> publish weights, repeated"
@@ -18,6 +18,7 @@ def add_arguments(p):
                    "(as a preempted job would; one-step-off rollouts of K+1 are already in the data plane); continue with --resume")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_config_args(p)
+    add_cluster_args(p)
 
 
 def run(args) -> int:
@@ -25,17 +26,36 @@ def run(args) -> int:
     from deploy.grpo_config import load_for_domain
     from deploy.grpo_loop import run_grpo
 
+    import rewards
+    from core.errors import UserError
+    from deploy.cluster import ClusterRun
+
+    try:
+        tools = any(rewards.domain(d).uses_tools for d in args.domain)
+    except rewards.UnknownDomain as exc:
+        raise UserError(str(exc)) from None
+    cluster = ClusterRun(args, "grpo", args.out, tools=tools)
+    overrides = cluster.overrides + list(args.overrides)
     path = args.config or default_config("grpo_loop")
     if len(args.domain) == 1:
-        cfg = load_for_domain(path, args.domain[0], list(args.overrides))
+        cfg = load_for_domain(path, args.domain[0], overrides)
     else:
         from core import config
         from deploy.grpo_config import GRPOLoopConfig
 
-        cfg = config.load(GRPOLoopConfig, path, list(args.overrides))
+        cfg = config.load(GRPOLoopConfig, path, overrides)
+    if args.dry_run:
+        from deploy.cluster_check import check
+
+        check(cluster, cfg, cfg.loop.catalog)
+        return 0
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
-    summary = run_grpo(cfg, domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
-                       resume=args.resume, quiet=args.quiet, stop_after=args.stop_after)
+    cluster.start(cfg)
+    try:
+        summary = run_grpo(cfg, domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
+                           resume=args.resume, quiet=args.quiet, stop_after=args.stop_after)
+    finally:
+        cluster.close()
     if not args.quiet:
         evals = ", ".join(f"{e['iteration']}: {e['pass_at_1']:.3f}" for e in summary["eval"])
         where = (f"final policy {summary['final']}" if summary["final"] else

@@ -1,5 +1,5 @@
 """`postrain opd`: multi-teacher on-policy distillation that merges specialists into one student."""
-from deploy.commands._common import add_config_args
+from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "opd"
 HELP = "on-policy distillation: the student samples every domain, each domain's teacher scores every token (full vocabulary)"
@@ -17,6 +17,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_config_args(p)
+    add_cluster_args(p)
 
 
 def run(args) -> int:
@@ -29,9 +30,21 @@ def run(args) -> int:
     from distill.teachers import parse_teacher_arg
 
     teachers = [parse_teacher_arg(t) for t in args.teacher]
-    cfg = config.load(OPDLoopConfig, args.config or default_config("opd"), args.overrides)
-    summary = run_opd(cfg, args.student, teachers, args.out, args.iterations, chaos_seed=args.chaos,
-                      resume=args.resume, quiet=args.quiet or args.json, stop_after=args.stop_after)
+    from deploy.cluster import ClusterRun
+
+    cluster = ClusterRun(args, "opd", args.out, tools=True)
+    cfg = config.load(OPDLoopConfig, args.config or default_config("opd"), cluster.overrides + list(args.overrides))
+    if args.dry_run:
+        from deploy.cluster_check import check
+
+        check(cluster, cfg, cfg.loop.catalog)
+        return 0
+    cluster.start(cfg)
+    try:
+        summary = run_opd(cfg, args.student, teachers, args.out, args.iterations, chaos_seed=args.chaos,
+                          resume=args.resume, quiet=args.quiet or args.json, stop_after=args.stop_after)
+    finally:
+        cluster.close()
     if args.json:
         print(json.dumps(summary, default=str))
     elif not args.quiet:

@@ -1,5 +1,5 @@
 """`postrain rollout`: N episodes of a domain through preemptible Ray rollout workers (optionally under chaos)."""
-from deploy.commands._common import add_config_args
+from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "rollout"
 HELP = "roll out N episodes of a domain with Ray workers that survive preemption and kills (--chaos injects faults)"
@@ -17,6 +17,7 @@ def add_arguments(p):
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_args(p)
+    add_cluster_args(p)
 
 
 def run(args) -> int:
@@ -35,8 +36,26 @@ def run(args) -> int:
         overrides.append(f"pool.workers={args.workers}")
     if args.seed is not None:
         overrides.append(f"pool.seed={args.seed}")
-    cfg = config.load(RolloutConfig, args.config or default_config("rollout"), overrides)
-    report = rollout_run(cfg, args.checkpoint, args.domain, args.n, args.out, args.chaos, args.faults, args.quiet)
+    import rewards
+    from deploy.cluster import ClusterRun
+
+    try:
+        tools = rewards.domain(args.domain).uses_tools
+    except rewards.UnknownDomain as exc:
+        raise UserError(str(exc)) from None
+    cluster = ClusterRun(args, "rollout", args.out, tools=tools)
+    cfg = config.load(RolloutConfig, args.config or default_config("rollout"), cluster.overrides + overrides)
+    if args.dry_run:
+        from deploy.cluster_check import check
+
+        check(cluster, cfg, cluster.c.storage.catalog)
+        return 0
+    cluster.start(cfg)
+    try:
+        report = rollout_run(cfg, args.checkpoint, args.domain, args.n, args.out, args.chaos, args.faults, args.quiet,
+                             catalog=cluster.c.storage.catalog, store=cluster.c.storage.store)
+    finally:
+        cluster.close()
     if args.json:
         print(json.dumps(report))
     else:

@@ -19,7 +19,7 @@ def test_two_ranks_take_the_one_rank_step(tmp_path):
     student, teachers, dp, sampled, sel = build_case(tmp_path, n=15)
     rows = hashes(dp, sel, sampled)
     weights = {}
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         for ranks in (1, 2):
             cfg = OPDTrainConfig.model_validate({"learner": {"device": "cpu", "threads": 1, "ranks": ranks},
