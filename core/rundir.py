@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,10 @@ class RunDir:
     @property
     def checkpoints(self) -> Path:
         return self.path / "checkpoints"
+
+    def disk_bytes(self) -> int:
+        """Bytes the run directory takes on disk (allocated blocks, as `du` counts them)."""
+        return tree_disk_bytes(self.path)
 
     def save_config(self, cfg: BaseModel, name: str = "config.json") -> None:
         config_mod.dump(cfg, self.path / name)
@@ -64,3 +69,15 @@ class RunDir:
         fig.savefig(out, dpi=100)
         plt.close(fig)
         return out
+
+
+def tree_disk_bytes(path: str | Path) -> int:
+    """Allocated bytes of every file under `path` (files that vanish meanwhile count 0)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total

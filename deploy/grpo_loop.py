@@ -46,8 +46,8 @@ from deploy.mixture import domain_shares
 from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
 
-# Metrics that depend on wall time or machine load, not on the seeded computation.
-TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s")
+# Metrics that depend on wall time, machine load or the file system, not on the seeded computation.
+TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s", "run_dir_mb")
 
 
 _PROMPT_INDEX = re.compile(r"-p(\d+)-g\d+$")  # prompt j of a trajectory id (make_requests)
@@ -207,7 +207,16 @@ class GRPOLoop:
         # A fresh rollout directory per start: WAL state of an interrupted attempt is not resumed across
         # checkpoints (its trajectories are either complete in the data plane, or re-sampled identically).
         starts = sorted((self.out / "rollout").glob("start-*")) if (self.out / "rollout").exists() else []
-        pool_dir = self.out / "rollout" / f"start-{len(starts):03d}"
+        pool_dir = self.out / "rollout" / (f"start-{int(starts[-1].name[6:]) + 1:03d}" if starts else "start-000")
+        self.retention = None
+        if not cfg.loop.keep_data:
+            from deploy.retention import Retention
+
+            self.retention = Retention(self.dp, self.out, self.run.checkpoints, cfg.loop.keep_iterations,
+                                       cfg.loop.keep_checkpoints, keep_batches=self.replay is not None,
+                                       batch_name=batch_name)
+            self.retention.drop_earlier_starts(pool_dir)
+        self.run_dir_mb_max = 0.0
         pool_init = str(Path(ckpt) / "model") if ckpt else str(self.init)
         self.pool = RolloutPool(pool_init, pool_dir, cfg.pool, cfg.engine, sink=self.sink,
                                 max_tool_calls=cfg.sampling.max_tool_calls, use_tools=any(d.uses_tools for d in self.doms),
@@ -263,7 +272,8 @@ class GRPOLoop:
                 self.pool.update_weights(weights, version)
                 self.dp.publish_policy_version(batch_name(k), version)
                 self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **self._replayed.pop(k, {}), **train,
-                             train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
+                             train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3),
+                             run_dir_mb=self._run_dir_mb())
                 done = k + 1
                 if lp.time_budget_s and done < self.iterations and self._over_budget(time.monotonic() - t0):
                     self.iterations = done  # out of wall-clock budget: end here as at --iterations
@@ -273,6 +283,8 @@ class GRPOLoop:
                 stop = done == self.stop_after
                 if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
                     self.group.save_checkpoint(self.run.checkpoints, done)
+                    if self.retention is not None:
+                        self.retention.after_checkpoint(done)
                 roll = nxt
                 if stop or done == self.iterations:
                     break
@@ -287,10 +299,19 @@ class GRPOLoop:
             final = str(save_policy(self.eval_model, self.tok, self.out / "final"))
         self.run.plot("iteration", ["reward_mean", "solve_rate", "eval_pass_at_1"], "grpo.png",
                       title=f"GRPO on {self.domain}")
+        disk = {"run_dir_mb": self._run_dir_mb(), "run_dir_mb_max": self.run_dir_mb_max,
+                "keep_data": self.retention is None} | (self.retention.stats() if self.retention is not None else {})
+        self.run.log(stage="disk", iteration=done, **disk)
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
-                "last_eval": last_eval}
+                "last_eval": last_eval, **disk}
+
+    def _run_dir_mb(self) -> float:
+        """OUT's size on disk in MB (a catalog or store configured elsewhere is not counted)."""
+        mb = round(self.run.disk_bytes() / 1e6, 3)
+        self.run_dir_mb_max = max(self.run_dir_mb_max, mb)
+        return mb
 
     def _over_budget(self, iteration_s: float) -> bool:
         """Would one more iteration (as long as the last, plus an eval) overrun loop.time_budget_s?"""

@@ -111,6 +111,22 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete complete checkpoints older than the newest `keep` (never the one `latest` names, never a
+    temp dir of a save in flight); returns what went. Call it only after the newest one is durable."""
+    if keep < 1:
+        raise ValueError(f"prune_checkpoints: keep must be >= 1, got {keep}")
+    root = Path(root)
+    newest = latest_checkpoint(root)
+    done = sorted(p for p in root.glob("iter_*") if (p / "state.json").is_file())
+    gone = [p for p in done[:-keep] if newest is None or p.name != newest.name]
+    for p in gone:
+        fileio.rmtree(p)
+    if gone:
+        fsync_dir(root)
+    return gone
+
+
 def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
     """state.json of a checkpoint, after checking that every file is present and matches its sha256."""
     path = Path(path)

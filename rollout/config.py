@@ -38,6 +38,9 @@ class PoolConfig(Config):
     wal_addr: str = Field("", description="WAL service host:port, or several comma-separated (the shard map: a trajectory "
                           "goes to shard crc32(id) mod n; keep the order for the life of a run); empty = an in-process "
                           "WAL per worker under the run dir")
+    wal_segment_bytes: int = Field(64 << 20, ge=4096, le=1 << 34, description="segment size of the in-process worker "
+                                   "WALs: retention deletes a sealed segment once its trajectories are finalized, so "
+                                   "small segments keep a worker's WAL near its live trajectories")
     sandbox_addr: str = Field("", description="sandbox service host:port, or several comma-separated (worker k uses "
                               "replica k mod n); empty = the pool starts a local one")
     worker_cpus: float = Field(0.0, ge=0, le=1024, description="Ray CPUs each rollout actor reserves (0: the embedded "

@@ -85,7 +85,8 @@ class RolloutPool:
                                 wal_addr=pool.wal_addr, wal_token=os.environ.get("POSTRAIN_WAL_TOKEN") or None,
                                 sandbox_target=sandboxes[k % len(sandboxes)] if use_tools and sandboxes else "",
                                 sandbox_token=token, max_tool_calls=max_tool_calls,
-                                max_commit_lag=pool.max_commit_lag, commit_group_steps=pool.commit_group_steps))
+                                max_commit_lag=pool.max_commit_lag, commit_group_steps=pool.commit_group_steps,
+                                wal_segment_bytes=pool.wal_segment_bytes))
             for k in range(pool.workers)
         ]
         # Warm spares: actor processes with their imports done, waiting to take over a dead worker's slot

@@ -53,6 +53,7 @@ class WorkerSpec:
     wal_open_wait_s: float = 30.0
     max_commit_lag: int = 4  # WAL commits that may be in flight (their tokens unexposed)
     commit_group_steps: int = 1  # decode steps per WAL commit (1: every step is committed on its own)
+    wal_segment_bytes: int = 64 << 20  # in-process WAL segment size (retention works on sealed segments)
 
 
 def _open_wal(spec: WorkerSpec):
@@ -61,7 +62,8 @@ def _open_wal(spec: WorkerSpec):
     deadline = time.monotonic() + spec.wal_open_wait_s
     while True:  # a killed predecessor may still hold the directory lock for a moment
         try:
-            return wal_mod.open(spec.wal_path)
+            return wal_mod.open(spec.wal_path, wal_mod.WALConfig(
+                segment_bytes=spec.wal_segment_bytes, preallocate_bytes=min(1 << 20, spec.wal_segment_bytes)))
         except wal_mod.LockedError:
             if time.monotonic() > deadline:
                 raise
@@ -130,6 +132,8 @@ class RolloutWorker:
             self.prompt_len.pop(t, None)
         if traj_ids:
             self.wal.commit()
+            if isinstance(self.wal, wal_mod.TokenWAL):  # in-process: delete the sealed segments that just died now
+                self.wal.reclaim()                      # (a log service runs its own retention)
 
     def run(self, max_steps: int) -> WorkerReport:
         """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""

@@ -16,6 +16,8 @@ def add_arguments(p):
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
     p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed "
                    "(as a preempted job would; one-step-off rollouts of K+1 are already in the data plane); continue with --resume")
+    p.add_argument("--keep-data", action="store_true", help="keep every batch's trajectories and shards, every checkpoint "
+                   "and earlier starts' WALs (default: reclaimed once a durable checkpoint covers them, see loop.keep_*)")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_config_args(p)
     add_cluster_args(p)
@@ -49,6 +51,8 @@ def run(args) -> int:
 
         check(cluster, cfg, cfg.loop.catalog)
         return 0
+    if args.keep_data:
+        cfg.loop.keep_data = True
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
     cluster.start(cfg)
     try:
@@ -61,5 +65,6 @@ def run(args) -> int:
         where = (f"final policy {summary['final']}" if summary["final"] else
                  f"stopped after {summary['iterations_done']} of {summary['iterations']} iterations (continue with --resume)")
         print(f"grpo {'+'.join(args.domain)}: eval pass@1 by iteration {{{evals}}}; {where}, "
-              f"metrics {args.out}/metrics.jsonl, curve {args.out}/grpo.png")
+              f"metrics {args.out}/metrics.jsonl, curve {args.out}/grpo.png; run directory {summary['run_dir_mb']:.1f} MB "
+              f"(largest {summary['run_dir_mb_max']:.1f} MB{', all data kept' if summary['keep_data'] else ''})")
     return 0
