@@ -15,6 +15,10 @@ import socket
 import time
 
 OBJECT_STORE_BYTES = 80 << 20  # small: several nodes share one machine's /dev/shm
+# The GCS declares a node dead after `failure_threshold` missed health checks `period_ms` apart (Ray's
+# defaults add up to ~15 s); a node failure here is noticed in ~3 s (set the same RAY_health_check_* on a real cluster).
+FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+                          "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 
 
 def free_port() -> int:
@@ -26,18 +30,55 @@ def free_port() -> int:
             return port
 
 
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of `pids` still running (zombies count as gone)."""
+    out = []
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.append(p)
+        except OSError:
+            pass
+    return out
+
+
 class LocalCluster:
     def __init__(self, workers: int = 2, cpus_per_worker: int = 2, head_cpus: int = 0, dashboard: bool = True,
-                 worker_resources: dict | None = None, env: dict | None = None):
+                 gpus_per_worker: int = 0,
+                 worker_resources: dict | None = None, env: dict | None = None,
+                 system_config: dict | None = None):
         from ray.cluster_utils import Cluster
 
         self.cpus_per_worker, self.worker_resources = cpus_per_worker, worker_resources or {}
+        self.gpus_per_worker = gpus_per_worker  # declared to Ray only (for placement checks); no device behind it
         self._env = dict(env or {})
         self._saved_env = {k: os.environ.get(k) for k in self._env}
         os.environ.update(self._env)  # the raylets inherit it (e.g. PYTHONPATH of the code under test)
         self.dashboard_port = free_port() if dashboard else None
         head = dict(gcs_server_port=free_port(), num_cpus=head_cpus, object_store_memory=OBJECT_STORE_BYTES,
-                    include_dashboard=dashboard, dashboard_host="127.0.0.1")
+                    include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                    _system_config=dict(FAST_FAILURE_DETECTION if system_config is None else system_config))
         if dashboard:
             head["dashboard_port"] = self.dashboard_port
         self._cluster = Cluster(initialize_head=True, connect=False, head_node_args=head, shutdown_at_exit=True)
@@ -71,26 +112,36 @@ class LocalCluster:
 
     # -- nodes ----------------------------------------------------------------------------------------
     def add_worker(self, wait: bool = True):
-        node = self._cluster.add_node(wait=wait, num_cpus=self.cpus_per_worker, object_store_memory=OBJECT_STORE_BYTES,
+        node = self._cluster.add_node(wait=wait, num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
+                                      object_store_memory=OBJECT_STORE_BYTES,
                                       resources=dict(self.worker_resources))
         self.workers.append(node)
         return node
 
     def remove_worker(self, index: int) -> str:
-        """Kill worker node `index` (all its processes, SIGKILL); returns its node id."""
-        node = self.workers.pop(index)
+        """Kill worker node `index` (its raylet and every process under it, SIGKILL): a node failure. Returns its id."""
+        node = self.workers[index]
+        doomed = set()
+        for infos in node.all_processes.values():
+            doomed |= {d for i in infos if i.process is not None for d in descendants(i.process.pid)}
+        for pid in doomed:  # the node's workers die with it, as they would with the machine
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         self._cluster.remove_node(node, allow_graceful=False)
+        self.workers.pop(index)
         return node.node_id
 
     def pids(self) -> list[int]:
-        """Pids of every process the cluster started (head and workers)."""
-        out = []
+        """Pids of every process the cluster runs: each node's own and their descendants (agents, workers)."""
+        roots = []
         for node in [self._cluster.head_node, *self.workers]:
             if node is None:
                 continue
             for infos in node.all_processes.values():
-                out += [i.process.pid for i in infos if i.process is not None]
-        return out
+                roots += [i.process.pid for i in infos if i.process is not None]
+        return sorted(set(roots) | {d for r in roots for d in descendants(r)})
 
     def _wait_for_jobs_api(self, timeout_s: float = 60.0) -> None:
         import urllib.request

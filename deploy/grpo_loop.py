@@ -358,6 +358,8 @@ class GRPOLoop:
         before, faults_before = self.pool.replacements, sum(self.pool.faults.values())
         self.sink.start(batch_name(k))
         res = self.pool.run(requests, faults)
+        with open(self.out / "rollout" / "worker_nodes.jsonl", "a") as f:  # where each worker ran (Ray node ids)
+            f.write(json.dumps({"iteration": k, "worker_nodes": res.worker_nodes}) + "\n")
         if len(res.finished) != len(requests):
             raise RuntimeError(f"grpo: iteration {k}: {len(res.finished)} of {len(requests)} rollouts finished")
         return {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished),

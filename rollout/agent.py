@@ -36,7 +36,9 @@ class ToolGateway:
 
     def __init__(self, target: str, token: str, timeout_s: float = 30.0):
         from rewards.sandbox.client import SandboxClient
-        self.client = SandboxClient(target, token, timeout_s=timeout_s)
+        # a busy service sheds calls with RESOURCE_EXHAUSTED: wait it out (backoff doubling to 2 s, ~15 s in all)
+        # before the episode sees a tool error
+        self.client = SandboxClient(target, token, timeout_s=timeout_s, retries=12)
 
     def answer(self, traj_id: str, call_no: int, call: protocol.Call) -> tuple[str, bool]:
         from rewards.sandbox.client import InvocationAborted, SandboxRefused

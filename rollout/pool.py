@@ -36,6 +36,7 @@ class _Slot:
     pid: int = 0
     node: str = ""  # Ray node id of the current incarnation
     nodes: list = field(default_factory=list)  # node id of every incarnation, in order
+    running_since: dict = field(default_factory=dict)  # incarnation -> monotonic time its first call came back
     incarnation: int = 0
     ref: object = None  # the outstanding run() call
     backlog: deque = field(default_factory=deque)  # requests not yet handed to the current incarnation
@@ -235,6 +236,7 @@ class RolloutPool:
             self._replace(s, type(exc).__name__)
             return
         s.unconfirmed = []
+        s.running_since.setdefault(s.incarnation, time.monotonic())  # this incarnation has run its requests: it is up
         self._live_counters[s.index] = report.counters
         lost = [t for t in report.already_final if t in self._want and t not in self._done]
         if lost:  # finalized by an earlier run whose pool never got the record: it is in that run's data plane
