@@ -143,37 +143,50 @@ class LocalCluster:
                 roots += [i.process.pid for i in infos if i.process is not None]
         return sorted(set(roots) | {d for r in roots for d in descendants(r)})
 
-    def _wait_for_jobs_api(self, timeout_s: float = 60.0) -> None:
-        import urllib.request
+    def _wait_for_jobs_api(self, timeout_s: float = 120.0) -> None:
+        """Until the head's job agent takes a job: the dashboard answers before its agent has registered
+        ("No available agent to submit job"), so a trivial job is submitted until one runs to the end."""
+        from ray.job_submission import JobStatus, JobSubmissionClient
 
         deadline = time.monotonic() + timeout_s
-        while True:
+        last = None
+        while time.monotonic() < deadline:
             try:
-                with urllib.request.urlopen(f"{self.dashboard_url}/api/version", timeout=5) as r:
-                    if r.status == 200:
+                client = JobSubmissionClient(self.dashboard_url)
+                job = client.submit_job(entrypoint="true")
+                while time.monotonic() < deadline:
+                    status = client.get_job_status(job)
+                    if status == JobStatus.SUCCEEDED:
                         return
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the dashboard at {self.dashboard_url} did not come up in {timeout_s:.0f}s")
-            time.sleep(0.5)
+                    if status in (JobStatus.FAILED, JobStatus.STOPPED):
+                        raise RuntimeError(f"the readiness job ended {status}")
+                    time.sleep(0.25)
+            except (RuntimeError, ConnectionError, OSError) as exc:
+                last = exc
+                time.sleep(0.5)
+        raise RuntimeError(f"the job API at {self.dashboard_url} did not take a job in {timeout_s:.0f}s (last: {last})")
 
-    def stop(self) -> None:
-        """Kill every process of the cluster (workers first), by pid; the pids must be gone afterwards."""
+    def stop(self, wait_s: float = 30.0) -> list[int]:
+        """Kill every process of the cluster (workers first), by pid, and wait until they are gone; returns those
+        still alive after `wait_s` (none, normally)."""
         pids = self.pids()
         try:
             self._cluster.shutdown()
         finally:
-            for pid in pids:  # anything shutdown() left (it waits for each; this is the backstop)
+            for pid in alive(pids):  # anything shutdown() left (it waits for each; this is the backstop)
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
+            deadline = time.monotonic() + wait_s
+            while alive(pids) and time.monotonic() < deadline:
+                time.sleep(0.1)
             for k, v in self._saved_env.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+        return alive(pids)
 
     def __enter__(self):
         return self

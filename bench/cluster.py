@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from bench._device import cpu_name, run_meta
-from bench._localcluster import LocalCluster, alive, free_port
+from bench._localcluster import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TRAJ, MAX_NEW, WORKERS, SEED = 16, 32, 2, 11
@@ -262,9 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             _, calm = one_node(ckpt, work / "calm")
             loss = node_loss(cluster, ckpt, work, args.rounds, calm)
         finally:
-            pids = cluster.pids()
-            cluster.stop()
-            left = alive(pids)
+            left = cluster.stop()
     ratio, rec, held = place["ratio"], loss["recovery_s_median"], streams["held"]
     result = {
         "benchmark": "cluster",

@@ -135,9 +135,19 @@ class ClusterRun:
         ray_cluster.require_schedulable(demands(cfg))
         if self.joined and self.c.storage.check_nodes and len(nodes) > 1:
             check_run_dir_visible(self.run_dir, nodes)
+        catalog = getattr(getattr(cfg, "loop", None), "catalog", "") or self.c.storage.catalog
+        if catalog.startswith("postgres"):
+            from deploy.cluster_check import _catalog
+
+            _catalog(catalog)  # unreachable: one error now, not at the first put
         try:
             for key, value in self._services(nodes).items():
                 setattr(cfg.pool, key, value)
+            for what, spec in (("WAL service", cfg.pool.wal_addr), ("sandbox service", cfg.pool.sandbox_addr)):
+                for a in filter(None, (x.strip() for x in spec.split(","))):
+                    why = ray_cluster.probe_tcp(a)
+                    if why:
+                        raise UserError(f"{what} {a} unreachable ({why})")
         except BaseException:
             self.close()
             raise

@@ -82,3 +82,15 @@ def test_unreachable_ray_address_on_the_command_line(tmp_path):
                    "--ray-address", f"127.0.0.1:{free_port()}")
     err = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(err) == 1 and "cannot reach the Ray cluster" in err[0], res.stderr
+
+
+def test_unreachable_services_fail_at_start_not_mid_run(tmp_path):
+    port = free_port()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'[wal]\nmode = "external"\naddresses = ["127.0.0.1:{port}"]\n')
+    t0 = time.monotonic()
+    res = postrain("rollout", "--checkpoint", str(tmp_path / "none"), "--domain", "reverse", "--n", "2",
+                   "--out", str(tmp_path / "o"), "--cluster", str(bad))
+    err = [ln for ln in res.stderr.splitlines() if "error" in ln]  # (a local Ray prints a notice of its own)
+    assert res.returncode == 2 and len(err) == 1 and f"WAL service 127.0.0.1:{port} unreachable" in err[0], res.stderr
+    assert time.monotonic() - t0 < 60
