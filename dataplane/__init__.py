@@ -26,8 +26,9 @@ Files:
     errors.py    DataPlaneError and its kinds: schema version, bad record, missing shard, checksum, stale row
     schema.py    catalog tables (SQLAlchemy Core) and SCHEMA_VERSION
     catalog.py   Catalog: open + schema check, transactional insert, select -> numpy metadata, stats
-    sqlite.py    SQLite backend: WAL, synchronous=FULL, BEGIN IMMEDIATE, busy timeout
-    postgres.py  PostgreSQL backend: psycopg 3, optional namespace (schema) per catalog
+    columns.py   bulk column transfer for select: one text per column, parsed in numpy / Arrow (no object per row)
+    sqlite.py    SQLite backend: WAL, synchronous=FULL, BEGIN IMMEDIATE, busy timeout, column aggregates
+    postgres.py  PostgreSQL backend: psycopg 3, optional namespace (schema) per catalog, column aggregates
     codec.py     pure shard codec: records <-> Arrow record batch, row checksums, zero-copy views
     store.py     ShardStore: atomic checksummed IPC shard files on local disk (mmap) or pyarrow.fs
     packing.py   pure numpy kernels: split, next-fit chain by pointer doubling, greedy rank balance

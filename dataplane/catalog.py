@@ -9,16 +9,58 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from sqlalchemy import collate, delete, func, inspect, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 
-from dataplane import postgres, sqlite
+from dataplane import columns, postgres, sqlite
 from dataplane.errors import BadRecordError, DataPlaneError, SchemaVersionError
 from dataplane.schema import (MIGRATIONS, SCHEMA_VERSION, meta, metadata, policy_versions, runs, shards,
                               trajectories)
 from dataplane.types import STATUSES, Selection
 
 T = trajectories
+
+
+def _selection(n: int, nums: dict, ids: pa.Array, run: pa.Array, group_id: pa.Array, teacher: pa.Array,
+               paths: dict) -> Selection:
+    """A Selection from unordered, aligned columns (numbers as numpy arrays, strings as Arrow binary
+    arrays): canonical (run, group id, id) bytewise order, dense group codes over (run, group id), dense
+    teacher codes in bytewise name order."""
+    if not n:
+        z = np.zeros(0, dtype=np.int64)
+        return Selection(ids=np.zeros(0, dtype="<U1"), seq=z, length=z, group=z, teacher=z, reward=np.zeros(0),
+                         policy_min=z, policy_max=z, shard=z, row=z, checksum=np.zeros(0, dtype=np.uint32),
+                         shard_paths=[], teachers=[])
+    one_run = pc.all(pc.equal(run, run[0])).as_py()
+    keys = pa.table({"r": run, "g": group_id, "i": ids})
+    order = pc.sort_indices(keys, sort_keys=[("g", "ascending"), ("i", "ascending")] if one_run else
+                            [("r", "ascending"), ("g", "ascending"), ("i", "ascending")]).to_numpy()
+    new_group = np.zeros(n, dtype=bool)
+    new_group[0] = True
+    for col in ([group_id] if one_run else [group_id, run]):
+        s = col.take(order)
+        new_group[1:] |= pc.not_equal(s[1:], s[:-1]).to_numpy(zero_copy_only=False)
+    enc = pc.dictionary_encode(teacher)
+    names = enc.dictionary.to_pylist()  # bytes
+    rank = np.empty(len(names), dtype=np.int64)
+    rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+    teacher_code = rank[enc.indices.to_numpy(zero_copy_only=False)]
+    shard_ids = np.array(sorted(paths), dtype=np.int64)
+    return Selection(
+        ids=columns.to_numpy_str(ids.take(order)),
+        seq=nums["seq"][order], length=nums["length"][order], group=np.cumsum(new_group) - 1,
+        teacher=teacher_code[order], reward=nums["reward"][order], policy_min=nums["policy_min"][order],
+        policy_max=nums["policy_max"][order], shard=np.searchsorted(shard_ids, nums["shard_id"])[order],
+        row=nums["row"][order], checksum=nums["checksum"][order],
+        shard_paths=[paths[s] for s in shard_ids.tolist()],
+        teachers=[b.decode("utf-8") for b in sorted(names)],
+    )
+
+
+_NUMBERS = {"seq": np.int64, "length": np.int64, "policy_min": np.int64, "policy_max": np.int64, "shard_id": np.int64,
+            "row": np.int64, "checksum": np.uint32, "reward": np.float64}
 
 
 def backend_for(url: str):
@@ -176,40 +218,40 @@ class Catalog:
     def select(self, run=None, domain=None, status=("complete",), policy_min=None, policy_max=None,
                teacher=None) -> Selection:
         """Light metadata of matching trajectories in bytewise (run, group, id) order: members of a group are
-        adjacent and group codes nondecreasing; group and teacher codes are dense."""
+        adjacent and group codes nondecreasing; group and teacher codes are dense.
+
+        The database filters and hands each column back as one JSON array (one aggregate per column over
+        the same scan, so the arrays align); ordering and codes are computed in Arrow. Rows as Python
+        tuples cost ~7 us each, seconds at a million trajectories."""
         if status is not None:
             for s in [status] if isinstance(status, str) else status:
                 if s not in STATUSES:
                     raise DataPlaneError(f"status {s!r}: expected one of {STATUSES}")
         conds = self._where(run, domain, status, policy_min, policy_max, teacher)
-        tkey = func.coalesce(T.c.teacher_id, "")
-        stmt = (select(T.c.id, T.c.seq, T.c.length,
-                       func.dense_rank().over(order_by=[self._c(T.c.run), self._c(T.c.group_id)]),
-                       func.dense_rank().over(order_by=self._c(tkey)),
-                       T.c.reward, T.c.policy_min, T.c.policy_max, T.c.shard_id, T.c.row, T.c.checksum, tkey)
-                .where(*conds).order_by(self._c(T.c.run), self._c(T.c.group_id), self._c(T.c.id)))
+        b = self.backend
+        texts = {"id": T.c.id, "run": T.c.run, "group_id": T.c.group_id, "teacher": func.coalesce(T.c.teacher_id, "")}
+        exprs = [func.count()]
+        for name in _NUMBERS:
+            exprs.append(b.join_numbers(T.c[name]))
+        for col in texts.values():
+            exprs += [b.join_text(col), b.join_numbers(b.byte_length(col))]
+        exprs.append(b.inexact_floats(T.c.reward))
         with self.engine.connect() as conn:
-            rows = self._fetch(conn, stmt)
-            shard_ids = sorted({r[8] for r in rows})
+            got = list(self._fetch(conn, select(*exprs).where(*conds))[0])
+            n = int(got[0])
+            nums = {name: columns.numbers(got[1 + k], n, dtype) for k, (name, dtype) in enumerate(_NUMBERS.items())}
+            if got[-1]:  # some rewards' text form does not parse back to the same double: fetch them as floats
+                seq_r = np.array(self._fetch(conn, select(T.c.seq, T.c.reward).where(*conds)), dtype=object)
+                by_seq = np.argsort(seq_r[:, 0].astype(np.int64))
+                at = np.searchsorted(seq_r[by_seq, 0].astype(np.int64), nums["seq"])
+                nums["reward"] = seq_r[by_seq, 1].astype(np.float64)[at]
+            at = 1 + len(_NUMBERS)
+            strs = {name: columns.strings(got[at + 2 * k], columns.numbers(got[at + 2 * k + 1], n, np.int64))
+                    for k, name in enumerate(texts)}
+            shard_ids = np.unique(nums["shard_id"]).tolist()
             paths = dict(conn.execute(select(shards.c.id, shards.c.path).where(shards.c.id.in_(shard_ids))).all()) \
                 if shard_ids else {}
-        n = len(rows)
-        cols = list(zip(*rows)) if rows else [()] * 12
-        teacher_names: dict[int, str] = {}
-        for code, name in zip(cols[4], cols[11]):
-            teacher_names.setdefault(code, name)
-        shard_index = {sid: i for i, sid in enumerate(shard_ids)}
-        return Selection(
-            ids=np.array(cols[0], dtype=str) if n else np.zeros(0, dtype="<U1"),
-            seq=np.array(cols[1], dtype=np.int64), length=np.array(cols[2], dtype=np.int64),
-            group=np.array(cols[3], dtype=np.int64) - 1, teacher=np.array(cols[4], dtype=np.int64) - 1,
-            reward=np.array(cols[5], dtype=np.float64), policy_min=np.array(cols[6], dtype=np.int64),
-            policy_max=np.array(cols[7], dtype=np.int64),
-            shard=np.array([shard_index[s] for s in cols[8]], dtype=np.int64),
-            row=np.array(cols[9], dtype=np.int64), checksum=np.array(cols[10], dtype=np.uint32),
-            shard_paths=[paths[s] for s in shard_ids],
-            teachers=[teacher_names[c] for c in sorted(teacher_names)],
-        )
+        return _selection(n, nums, strs["id"], strs["run"], strs["group_id"], strs["teacher"], paths)
 
     def meta(self, ids) -> dict[str, dict]:
         """The `meta` object of each trajectory in `ids` that has one."""

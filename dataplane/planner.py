@@ -72,7 +72,8 @@ def layout(length: np.ndarray, tokens_per_rank: int, ranks: int = 1, seed: int =
         change[1:] = g[1:] != g[:-1]
         group_start = np.maximum.accumulate(np.where(change, idx, 0))
     bins, balanced = packing.pack(stop - start, tokens_per_rank, ranks, group_start)
-    perm = np.argsort(bins, kind="stable")
+    key = bins.astype(np.uint16) if bins.size and bins.max() < 65536 else bins  # 16-bit keys: numpy's O(n) radix sort
+    perm = np.argsort(key, kind="stable")
     counts = np.bincount(bins, minlength=balanced.shape[0] * ranks)
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     return Layout(traj[perm], start[perm], stop[perm], offsets, balanced)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import Text, cast, create_engine, func, literal, text
 from sqlalchemy.dialects.postgresql import insert as _insert
 
 from dataplane.errors import DataPlaneError
@@ -48,3 +48,23 @@ def drop_namespace(url: str, namespace: str) -> None:
         conn.execute(text(f'DROP SCHEMA IF EXISTS "{ns}" CASCADE'))
         conn.commit()
     engine.dispose()
+
+
+def join_numbers(col):
+    """A numeric column of the selected rows as one text, values joined by ',' (select's bulk transfer)."""
+    return func.string_agg(cast(col, Text), ",")
+
+
+def join_text(col):
+    """A text column of the selected rows concatenated with no separator (lengths come from byte_length)."""
+    return func.string_agg(col, "")
+
+
+def byte_length(col):
+    return func.octet_length(col)
+
+
+def inexact_floats(col):
+    """float8's text form is exact: nothing to fetch again."""
+    return literal(0)
+

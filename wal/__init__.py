@@ -7,6 +7,7 @@ gRPC log service; also the per-sandbox environment log.
     segments.py   segment files (preallocated, zero-filled; written through core.fileio), recovery scan (zero tail = clean end, torn last flush cut, corruption refused)
     log.py        Log: appends + leader/follower group commit (pwrite + fdatasync) + segment roll, poisoned on I/O error
     index.py      per-trajectory token index: contiguity, no rewrite, idempotent repeats, durable reads
+    stepgroup.py  batched-decode fast path of the index: steps over the same trajectories kept as rows, merged on any other access
     envindex.py   per-sandbox environment index with the same rules
     store.py      Store: log + both indexes, replay on open, retention (reclaim / compaction)
     config.py     WALConfig (log) and ServeConfig (gRPC service)

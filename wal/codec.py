@@ -67,6 +67,7 @@ SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
 crc32c = google_crc32c.value
 FLUSH_MARK = 0x5F4C5553  # XORed into the stored checksum of a flush's first frame
 _I32_MAX = (1 << 31) - 1
+_I64_MAX = (1 << 63) - 1
 _SMALL = 64  # lists up to this length are packed with the array module
 _LITTLE = sys.byteorder == "little"
 _TOKEN_NP = np.dtype(TOKEN_DTYPE)
@@ -124,15 +125,31 @@ def encode_step_record(lsn: int, ids: list[bytes], starts: bytes, policy_version
                             logprobs, *ids)), mark)
 
 
+def encode_step_blob(lsn: int, n: int, lens: bytes, ids_blob: bytes, starts: bytes, policy_version: int, tokens: bytes,
+                     logprobs: bytes, mark: int = 0) -> bytes:
+    """encode_step_record with the ids already laid out (`lens`: n packed u16 id lengths, `ids_blob`: the
+    ids joined), as a run of steps over the same trajectories reuses them. Same bytes."""
+    if (len(lens) != 2 * n or len(starts) != n * 8 or len(tokens) != n * TOKEN_BYTES
+            or len(logprobs) != n * LOGPROB_BYTES):
+        raise CodecError(f"step record: {n} ids but {len(lens)} B of id lengths, {len(starts)} B of starts, "
+                         f"{len(tokens)} B of tokens, {len(logprobs)} B of logprobs")
+    return _frame(b"".join((BODY.pack(lsn, STEP), STEP_HEAD.pack(policy_version, n), lens, starts, tokens, logprobs,
+                            ids_blob)), mark)
+
+
 def pack_positions(positions) -> bytes:
     """Positions (ints, numpy integers) -> packed little-endian u64; floats, negatives and bytes refused."""
     if isinstance(positions, (bytes, bytearray, memoryview, str)):
         raise CodecError("positions must be a sequence of ints")
+    if isinstance(positions, np.ndarray) and positions.ndim == 1 and positions.dtype.kind in "iu":
+        if positions.size and (positions.min() < 0 or (positions.dtype.kind == "u" and positions.max() > _I64_MAX)):
+            raise CodecError(f"positions must be integers in 0..2^63-1, got {positions.min()}..{positions.max()}")
+        return positions.astype("<i8", copy=False).tobytes()
     try:
         arr = array("q", positions)
     except (TypeError, OverflowError) as exc:
         raise CodecError(f"positions must be integers in 0..2^63-1: {exc}") from None
-    if arr and min(arr) < 0:
+    if arr and (min(arr) if len(arr) <= _SMALL else int(np.frombuffer(arr, np.int64).min())) < 0:
         raise CodecError(f"positions must be >= 0, got {min(arr)}")
     if not _LITTLE:
         arr.byteswap()
@@ -385,12 +402,13 @@ def decode_segment_header(buf: bytes) -> int:
 
 def pack_tokens(tokens) -> bytes:
     """Token ids (list, array or numpy integers) -> packed little-endian int32; rejects non-integers and ids outside 0..2^31-1."""
-    if type(tokens) is list and len(tokens) <= _SMALL:  # short Python lists: the array module beats numpy's setup cost
+    if type(tokens) is list:  # Python lists: the array module converts them faster than numpy
         try:
             packed = array("i", tokens)
         except (TypeError, OverflowError):
             packed = None  # let the numpy path produce the precise error
-        if packed is not None and (not tokens or min(packed) >= 0):
+        if packed is not None and (not tokens or (min(packed) if len(packed) <= _SMALL
+                                                  else int(np.frombuffer(packed, np.int32).min())) >= 0):
             if not _LITTLE:
                 packed.byteswap()
             return packed.tobytes()
@@ -417,12 +435,13 @@ def pack_tokens(tokens) -> bytes:
 
 def pack_logprobs(logprobs, n: int) -> bytes:
     """Log-probs -> packed little-endian float64; exactly `n` of them, no NaN."""
-    if type(logprobs) is list and len(logprobs) == n and n <= _SMALL:
+    if type(logprobs) is list and len(logprobs) == n:
         try:
             packed = array("d", logprobs)
         except TypeError:
             packed = None
-        if packed is not None and all(x == x for x in packed):  # x != x only for NaN
+        if packed is not None and (all(x == x for x in packed) if n <= _SMALL  # x != x only for NaN
+                                   else not np.isnan(np.frombuffer(packed, np.float64)).any()):
             if not _LITTLE:
                 packed.byteswap()
             return packed.tobytes()

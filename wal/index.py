@@ -12,10 +12,12 @@ not written again, so a retried append never duplicates.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import numpy as np
 
 from wal.errors import ConflictError, FinalizedError, GapError
+from wal.stepgroup import StepGroup
 from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
 
 
@@ -97,9 +99,31 @@ class Trajectory:
 
 
 class TokenIndex:
-    def __init__(self) -> None:
-        self.trajs: dict[str, Trajectory] = {}
+    """Trajectories by id, the finalized ids, and at most one StepGroup (the batched-decode fast path):
+    any access to `trajs` dissolves the group first, so nothing but the fast path sees its rows unmerged."""
+
+    def __init__(self, durable_lsn: Callable[[], int] = lambda: -1) -> None:
+        self._trajs: dict[str, Trajectory] = {}
         self.finalized: set[str] = set()
+        self.group: StepGroup | None = None
+        self.durable_lsn = durable_lsn  # the log's durable lsn (which group rows are settled)
+
+    @property
+    def trajs(self) -> dict[str, Trajectory]:
+        if self.group is not None:
+            self.dissolve()
+        return self._trajs
+
+    def dissolve(self) -> None:
+        g, self.group = self.group, None
+        if g is not None:
+            g.dissolve(self.durable_lsn())
+
+    def start_group(self, ids: list[str], trajs: list[Trajectory]) -> StepGroup:
+        """Begin a group over these (known, distinct) trajectories at their current lengths."""
+        self.dissolve()
+        self.group = StepGroup(ids, trajs, [t.idb for t in trajs])
+        return self.group
 
     def new_part(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, version: int) -> tuple[int, int] | None:
         """Check an append; returns (first new position, byte offset into tokens) of the part to write,

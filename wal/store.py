@@ -28,7 +28,7 @@ from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, Finali
 class Store:
     def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
         self.config = config or WALConfig()
-        self.tokens = TokenIndex()
+        self.tokens = TokenIndex(lambda: self.log.durable_lsn)
         self.env = EnvIndex()
         self._deferred: dict[str, list[TokensRecord]] = {}
         self.ignored_records = 0
@@ -170,10 +170,24 @@ class Store:
             raise codec.CodecError(f"append_step: {n} trajectory ids, {len(positions)} positions, {len(tok) // 4} tokens; "
                                    f"there must be one of each per trajectory")
         starts = codec.pack_positions(positions)
-        policy_version = _index(policy_version, "policy_version")
+        if type(policy_version) is not int:
+            policy_version = _index(policy_version, "policy_version")
         if policy_version < 0:
             raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
         if not n:
+            return
+        with self.mutex:  # the common case: the same trajectories as the last step, each at its next position
+            g = self.tokens.group
+            fast = g is not None and g.matches(traj_ids, starts)
+            if fast:
+                self.log.check_open()
+                lsn = self.log.append_locked(lambda lsn, mark: codec.encode_step_blob(
+                    lsn, n, g.lens, g.ids_blob, starts, policy_version, tok, lp, mark))
+                g.add_row(tok, lp, policy_version, lsn)
+                big = self.log.batch_bytes > self.config.max_batch_bytes
+        if fast:
+            if big:
+                self.log.commit()
             return
         if len(set(traj_ids)) != n:  # a trajectory twice in one step: do it item by item, in order
             for i in range(n):
@@ -189,10 +203,14 @@ class Store:
                     return  # all exact repeats
             ids = [t.idb for t in objs]
             lsn = self.log.append_locked(lambda lsn, mark: codec.encode_step_record(lsn, ids, starts, policy_version, tok, lp, mark))
+            trajs = self.tokens.trajs
             for tid, t in zip(traj_ids, objs):
-                if t.length == 0 and tid not in self.tokens.trajs:
-                    self.tokens.trajs[tid] = t
-            self.tokens.apply_step(objs, tok, lp, policy_version, lsn)
+                if t.length == 0 and tid not in trajs:
+                    trajs[tid] = t
+            if len(objs) == n:  # every item written: the next steps over these trajectories take the fast path
+                self.tokens.start_group(traj_ids, objs).add_row(tok, lp, policy_version, lsn)
+            else:
+                self.tokens.apply_step(objs, tok, lp, policy_version, lsn)
             big = self.log.batch_bytes > self.config.max_batch_bytes
         if big:
             self.log.commit()

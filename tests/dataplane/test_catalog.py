@@ -147,3 +147,26 @@ def test_a_version_1_catalog_is_migrated_in_place(any_dp, tmp_path):
         assert dp.meta([more[0].id]) == {more[0].id: {"k": 1}}
     finally:
         dp.close()
+
+
+def test_selection_matches_a_python_reference_for_awkward_values(any_dp):
+    """Bulk column transfer: rewards that need 17 digits, non-ASCII ids and group ids, several runs and
+    teachers, empty teacher; the selection must equal one built row by row in Python (bytewise order)."""
+    recs = make_records(40, seed=3) + make_records(12, seed=4, run="run-é", id_prefix="ü")
+    for k, r in enumerate(recs):
+        r.reward = [0.1 + 0.2, 1 / 3, -2.5e-300, 1e300 / 7, 0.0][k % 5]
+        r.group_id = ("grp-ß" if k % 3 == 0 else "grp-a") + str(k // 4)
+        r.teacher_id = [None, "tb", "ta", "tč"][k % 4]
+    any_dp.put(recs[:30])
+    any_dp.put(recs[30:])
+    sel = any_dp.select(status=None)
+    ref = sorted(recs, key=lambda r: (r.run.encode(), r.group_id.encode(), r.id.encode()))
+    assert sel.ids.tolist() == [r.id for r in ref]
+    assert sel.reward.tolist() == [r.reward for r in ref]  # exact, not 15 digits
+    assert sel.length.tolist() == [r.length for r in ref]
+    keys = [(r.run.encode(), r.group_id.encode()) for r in ref]
+    assert sel.group.tolist() == [sorted(set(keys)).index(k) for k in keys]
+    names = sorted({(r.teacher_id or "") for r in recs}, key=str.encode)
+    assert sel.teachers == names and [sel.teachers[c] for c in sel.teacher] == [r.teacher_id or "" for r in ref]
+    assert [sel.shard_paths[s] for s in sel.shard][:1] and sel.checksum.dtype == np.uint32
+    assert len(any_dp.select(run="nothing-here")) == 0

@@ -7,18 +7,21 @@ import sys
 
 
 def test_bench_wal_smoke(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.wal", "--json", "--seconds", "0.05", "--rounds", "1", "--bs", "512",
+    r = subprocess.run([sys.executable, "-m", "bench.wal", "--json", "--seconds", "0.05", "--rounds", "1", "--bs", "64,512",
                         "--scan-mb", "2", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
-    assert out["device"] and set(out["targets"]) == {"inproc_vs_raw_fsync_b512", "inproc_vs_sqlite_b512",
-                                                     "grpc_4_clients_vs_1", "recovery_scan_mb_s"}
+    assert out["device"] and set(out["targets"]) == {"step_b512_vs_raw_fdatasync", "step_b64_vs_raw_fdatasync",
+                                                     "inproc_vs_sqlite_blob_b512", "grpc_4_clients_vs_1",
+                                                     "recovery_scan_cold_mb_s"}
+    assert out["meta"]["commit"] and out["meta"]["date_utc"] and out["meta"]["machine"]
     for t in out["targets"].values():
         assert set(t) == {"value", "goal", "met"} and t["value"] > 0
     cfg = out["configs"]["b512"]
     assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched", "inproc_step",
-                                              "raw_prealloc_fdatasync", "floor_1byte_fdatasync"))
-    assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0
+                                              "inproc_step_lists", "raw_prealloc_step_fdatasync", "raw_prealloc_fdatasync",
+                                              "floor_1byte_fdatasync"))
+    assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0 < out["recovery_scan"]["cold_mb_s"]
     assert all(out["grpc"][f"b512_clients{n}"]["server_cpu_us_per_step"] > 0 for n in (1, 4))
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
 
