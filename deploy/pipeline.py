@@ -28,6 +28,7 @@ from core.digest import sha256_tree
 from core.errors import UserError
 from deploy import manifest
 from deploy.pipeline_config import STAGES, PipelineConfig
+from deploy.shared_ray import shared_ray
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -120,6 +121,13 @@ class Pipeline:
         from deploy.pipeline_report import write_report
 
         t0 = time.monotonic()
+        with shared_ray(num_cpus=max(2, os.cpu_count() or 1) * max(1, self.cfg.specialists.parallel)):
+            self._run_stages()
+        report = write_report(self.run_dir)
+        report["pipeline_wall_s_this_run"] = round(time.monotonic() - t0, 1)
+        return report
+
+    def _run_stages(self) -> None:
         redo = False  # a stage ran again: every later stage runs again
         for stage in STAGES[:-1]:
             d = self.run_dir / stage
@@ -139,9 +147,6 @@ class Pipeline:
                            extra=extra)
             self._say(f"{stage}: done in {time.monotonic() - s0:.0f} s")
             redo = True
-        report = write_report(self.run_dir)
-        report["pipeline_wall_s_this_run"] = round(time.monotonic() - t0, 1)
-        return report
 
     def _say(self, line: str) -> None:
         if not self.quiet:

@@ -18,6 +18,10 @@ from dataclasses import dataclass, field
 from core.errors import UserError
 
 RESOURCE_KEYS = ("CPU", "GPU")
+# The GCS address of a local Ray that a parent job (postrain pipeline) started for its stages. Unlike
+# RAY_ADDRESS it names no cluster: a stage joins it instead of starting its own Ray and otherwise runs
+# as embedded (its own WAL and sandbox, no cluster checks).
+SHARED_RAY_ENV = "POSTRAIN_SHARED_RAY"
 
 
 def named_address(explicit: str | None = None) -> str:
@@ -55,6 +59,10 @@ def init_ray(address: str | None = None, num_cpus: int = 2) -> str:
     target = named_address(address)
     if ray.is_initialized():
         return target
+    shared = os.environ.get(SHARED_RAY_ENV, "").strip()
+    if target == "" and shared:  # the local Ray of the job this process is a stage of: joined, still embedded
+        ray.init(address=shared, log_to_driver=False, configure_logging=False)
+        return ""
     if target in ("local", ""):
         # Ray starts its workers at nice 15: on a shared machine the rollout actors then wait behind every
         # other process while the driver (nice 0) waits for them. Same priority as the driver, unless set.
