@@ -131,7 +131,7 @@ def _uri(uri: str) -> str:
 
 
 def _storage(run: ClusterRun, cfg, nodes: list[dict]) -> str:
-    fresh = not run.run_dir.exists()
+    created = [p for p in (run.run_dir, *run.run_dir.parents) if not p.exists()]  # removed again if left empty
     run.run_dir.mkdir(parents=True, exist_ok=True)
     try:
         if not os.access(run.run_dir, os.W_OK):
@@ -141,8 +141,9 @@ def _storage(run: ClusterRun, cfg, nodes: list[dict]) -> str:
             check_run_dir_visible(run.run_dir, nodes)
             seen = f"all {len(nodes)} nodes"
     finally:
-        if fresh and not any(run.run_dir.iterdir()):
-            run.run_dir.rmdir()
+        for p in created:
+            if p.exists() and not any(p.iterdir()):
+                p.rmdir()
     extra = [_uri(u) for u in (run.c.storage.store, run.c.storage.snapshots, cfg.pool.snapshot_uri) if u]
     return f"run directory {run.run_dir} seen by {seen}" + (f"; {', '.join(dict.fromkeys(extra))} reachable" if extra else "")
 
