@@ -348,23 +348,32 @@ class GRPOLoop:
 
     def _rollout(self, k: int, requests: list) -> dict:
         """Iteration k's P×G rollouts through the pool into the data plane; the pool's counters."""
-        from rollout import chaos as chaos_mod
+        from chaos.pool_faults import PoolInjector
+        from chaos.schedule import schedule
 
         t0 = time.monotonic()
-        faults = []
+        injector = None
         if self.chaos_seed is not None and self.cfg.loop.chaos_faults:
-            faults = chaos_mod.schedule(self.chaos_seed * 1_000_003 + k, self.cfg.pool.workers, self.cfg.loop.chaos_faults)
-        # The pool's fault and replacement counters are cumulative over its life: report this batch's.
-        before, faults_before = self.pool.replacements, sum(self.pool.faults.values())
+            seed = self.chaos_seed * 1_000_003 + k
+            injector = PoolInjector(schedule(seed, self.cfg.pool.workers, self.cfg.loop.chaos_faults), seed=seed)
+        before = self.pool.replacements  # cumulative over the pool's life: report this batch's
         self.sink.start(batch_name(k))
-        res = self.pool.run(requests, faults)
+        res = self.pool.run(requests, injector)
         with open(self.out / "rollout" / "worker_nodes.jsonl", "a") as f:  # where each worker ran (Ray node ids)
             f.write(json.dumps({"iteration": k, "worker_nodes": res.worker_nodes}) + "\n")
         if len(res.finished) != len(requests):
             raise RuntimeError(f"grpo: iteration {k}: {len(res.finished)} of {len(requests)} rollouts finished")
-        return {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished),
-                "faults": int(sum(res.faults.values())) - faults_before, "replacements": res.replacements - before,
-                "tokens_lost": res.tokens_lost, "tokens_resampled": res.tokens_resampled}
+        row = {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished), "faults": 0,
+               "replacements": res.replacements - before, "tokens_lost": res.tokens_lost,
+               "tokens_resampled": res.tokens_resampled}
+        if injector is not None:
+            injector.finish(self.pool)
+            if injector.shortfall():
+                raise UserError(f"grpo --chaos: iteration {k}: {injector.shortfall()} (loop.chaos_faults)")
+            rec = [e.recovery_s for e in injector.events if e.recovery_s is not None]
+            row |= {"faults": injector.injected, "faults_survived": len(rec),
+                    "recovery_s_max": round(max(rec), 4) if rec else 0.0}
+        return row
 
     def _complete(self, k: int) -> bool:
         return len(self.dp.select(run=batch_name(k), status=None)) == self.batch_size

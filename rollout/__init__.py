@@ -8,9 +8,8 @@ snapshots, Ray rollout workers, the pool that survives their death, the multi-tu
     types.py      Request, Finished, WorkerReport, ENV_LOGPROB (marks prompt and tool-result tokens)
     config.py     EngineConfig, SamplingConfig, PoolConfig, RolloutConfig (configs/rollout.toml)
     agent.py      one tool turn through the sandbox service, keyed so a replay reuses the recorded result
-    worker.py     RolloutWorker (WAL commit order, preempt with snapshots, resume) + RolloutActor (Ray)
+    worker.py     RolloutWorker (WAL commit order, suspend / preempt with snapshots, resume) + RolloutActor (Ray)
     pool.py       RolloutPool: bounded in-flight, replacement on death, sink then finalize, stream audit
-    chaos.py      seeded fault schedule: preempt (+ corrupt / delete snapshots), ray.kill, SIGKILL
     sink.py       DataPlaneSink: finished trajectories into the data plane, idempotent by id
     run.py        one `postrain rollout` run and its JSON report
 """

@@ -2,26 +2,28 @@
 
 Each worker slot k owns an in-process WAL directory (RUN/wal/k) and a share of the requests (request
 i goes to slot i mod W, at most `max_batch` of them in the worker at once). When a worker dies
-(`ray.kill`, SIGKILL of its process, a failed call) or is preempted gracefully, the pool starts a
-replacement on the same slot and resubmits the slot's unfinished requests: the replacement resumes
-them from the WAL (and the KV snapshots a graceful preemption wrote). Finished trajectories go to the
+(`ray.kill`, SIGKILL of its process, a failed call), the pool starts a replacement on the same slot
+(a warm spare when one is ready) and resubmits the slot's unfinished requests: the replacement
+resumes them from the WAL. A preemption notice (`preempt`) costs less: the worker snapshots the KV of
+its requests and resumes them itself from the snapshots. Finished trajectories go to the
 sink (the data plane) first, and are acknowledged to the worker afterwards, which only then
 finalizes them in its WAL.
 
 The pool also audits the stream it received: every committed token it was shown must appear at its
 position in the final trajectory (`tokens_lost`), and no position may be reported twice
 (`tokens_resampled`).
+
+The hooks at the end (`preempt`, `kill`, `worker_pid`, `in_flight`, `seen`, `snapshot_path`) are
+what an operator or a fault-injection drill (`chaos/`) uses from outside; the pool holds no fault code.
 """
 from __future__ import annotations
 
 import os
-import signal
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout.chaos import Fault
 from rollout.config import EngineConfig, PoolConfig
 from rollout.ray_cluster import init_ray
 from rollout.types import Finished, Request, WorkerReport
@@ -48,7 +50,6 @@ class _Slot:
 @dataclass
 class PoolResult:
     finished: dict[str, Finished]
-    faults: Counter
     counters: Counter
     tokens_lost: int
     tokens_resampled: int
@@ -95,7 +96,6 @@ class RolloutPool:
         self.spares, self._spares = spares, deque()
         self._start(*self.slots)  # all at once: each actor imports torch and loads the policy in parallel
         self.replacements = 0
-        self.faults: Counter = Counter()
         self._dead_counters: Counter = Counter()
         self._live_counters: dict[int, dict] = {}
 
@@ -171,7 +171,9 @@ class RolloutPool:
             self.sink.close()
 
     # -- the run loop -------------------------------------------------------------------------
-    def run(self, requests: list[Request], chaos: list[Fault] | None = None) -> PoolResult:
+    def run(self, requests: list[Request], observer=None) -> PoolResult:
+        """Roll out `requests`; `observer(pool)`, when given, is called after every round of collected calls
+        (a drill injects its faults from there, through the hooks below)."""
         t0 = time.monotonic()
         for i, r in enumerate(requests):
             self.slots[i % len(self.slots)].backlog.append(r)
@@ -179,10 +181,7 @@ class RolloutPool:
         self._done: dict[str, Finished] = {}
         self._stream: dict[str, dict[int, int]] = {r.traj_id: {} for r in requests}
         self._resampled = 0
-        faults = deque(sorted(chaos or [], key=lambda f: f.iteration))
-        it = 0
         while len(self._done) < len(self._want):
-            it += 1
             for s in self.slots:
                 if s.ref is None:
                     self._call(s)
@@ -193,18 +192,23 @@ class RolloutPool:
             for s in self.slots:
                 if s.ref is not None and s.ref in ready:
                     self._settle(s)
-            while faults and faults[0].iteration <= it and len(self._done) < len(self._want):
-                self._inject(faults.popleft())
+            if observer is not None and len(self._done) < len(self._want):
+                observer(self)
         self._flush_acks()
-        counters = Counter(self._dead_counters)
-        for c in self._live_counters.values():
-            counters.update(c)
+        counters = self.counters()
         lost = 0
         for traj, seen in self._stream.items():
             final = self._done[traj].tokens
             lost += sum(1 for pos, t in seen.items() if pos >= len(final) or final[pos] != t)
-        return PoolResult(dict(self._done), Counter(self.faults), counters, lost, self._resampled,
+        return PoolResult(dict(self._done), counters, lost, self._resampled,
                           self.replacements, time.monotonic() - t0, {s.index: list(s.nodes) for s in self.slots})
+
+    def counters(self) -> Counter:
+        """The workers' counters summed over the pool's life (replaced incarnations included)."""
+        out = Counter(self._dead_counters)
+        for c in self._live_counters.values():
+            out.update(c)
+        return out
 
     def _flush_acks(self) -> None:
         """Let every worker finalize what the sink took since its last call (bounded retries through replacement)."""
@@ -260,52 +264,42 @@ class RolloutPool:
         if fresh and self.progress:
             self.progress(len(fresh))
 
-    def preempt(self, slot_index: int, damage: str | None = None) -> None:
-        """A graceful preemption notice for worker `slot_index`: it finishes its call, snapshots the KV of its
-        in-flight requests and stops; a replacement resumes them. `damage` ("corrupt" / "delete") then
-        spoils the stored snapshots (fault injection: the replacement must fall back to re-prefill)."""
+    # -- hooks: what an operator (or a fault-injection drill) may do to a running pool ----------------
+    def preempt(self, slot_index: int) -> list[str]:
+        """A preemption notice for the requests of worker `slot_index`: between two calls the worker snapshots
+        their KV, frees their slots and queues them again; its next call resumes them from the WAL and the
+        snapshots. The worker itself stays. Returns the preempted trajectory ids ([] if the worker died)."""
         s = self.slots[slot_index]
         self._settle(s)  # the notice arrives between calls
-        if s.ref is None and s.actor is not None:
-            try:
-                self.ray.get(s.actor.preempt.remote(), timeout=self.cfg.call_timeout_s)
-            except self.ray.exceptions.RayActorError:
-                pass
-        if damage:
-            from rollout.snapshot import SnapshotStore
+        if s.ref is not None or s.actor is None:
+            return []
+        try:
+            return list(self.ray.get(s.actor.suspend.remote(), timeout=self.cfg.call_timeout_s))
+        except self.ray.exceptions.RayActorError as exc:
+            self._replace(s, type(exc).__name__)
+            return []
 
-            for p in SnapshotStore(s.spec.snapshot_uri).ids_on_disk():
-                if damage == "delete":
-                    os.unlink(p)
-                else:
-                    _flip_byte(p)
-        self._replace(s, "preempted")
+    def kill(self, slot_index: int) -> None:
+        """`ray.kill` of worker `slot_index`'s actor; the pool sees the death on its next call and replaces it."""
+        self.ray.kill(self.slots[slot_index].actor, no_restart=True)
 
-    def _inject(self, f: Fault) -> None:
-        s = self.slots[f.slot % len(self.slots)]
-        self.faults[f.kind] += 1
-        if f.kind.startswith("preempt"):
-            self.preempt(s.index, damage={"preempt": None, "preempt_corrupt": "corrupt", "preempt_delete": "delete"}[f.kind])
-        elif f.kind == "ray_kill":
-            self.ray.kill(s.actor, no_restart=True)
-            if s.ref is None:
-                self._replace(s, f.kind)
-        elif f.kind == "sigkill":
-            try:
-                os.kill(s.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            if s.ref is None:
-                self._replace(s, f.kind)
-        else:
-            raise ValueError(f"unknown fault kind {f.kind!r}")
+    def worker_pid(self, slot_index: int) -> int:
+        """The process id of worker `slot_index`'s current actor."""
+        return self.slots[slot_index].pid
 
+    def in_flight(self, slot_index: int) -> list[str]:
+        """Trajectory ids handed to worker `slot_index` and not finished."""
+        return sorted(r.traj_id for r in self.slots[slot_index].inside)
 
-def _flip_byte(path: str) -> None:
-    with open(path, "r+b") as fh:
-        fh.seek(0, 2)
-        size = fh.tell()
-        fh.seek(size // 2)
-        b = fh.read(1)
-        fh.seek(size // 2)
-        fh.write(bytes([b[0] ^ 0xFF]))
+    def seen(self, traj_id: str) -> int:
+        """Committed positions of `traj_id` this run's stream has shown (the prompt included)."""
+        return len(self._stream.get(traj_id, ()))
+
+    def finished(self, traj_id: str) -> bool:
+        return traj_id in self._done
+
+    def snapshot_path(self, traj_id: str) -> str:
+        """Where the KV snapshot of `traj_id` is stored."""
+        from rollout.snapshot import SnapshotStore
+
+        return SnapshotStore(self.slots[0].spec.snapshot_uri).path(traj_id)

@@ -15,7 +15,6 @@ import rewards
 from core.atomic import write_atomic
 from core.errors import UserError
 from core.hf import resolve_checkpoint
-from rollout import chaos as chaos_mod
 from rollout.config import RolloutConfig
 from core.rundir import SERVICES_DIR
 from rollout.sampling import SamplingParams
@@ -32,9 +31,10 @@ def requests_for(domain: str, n: int, cfg: RolloutConfig) -> list[Request]:
 
 
 def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int, out: str | Path,
-                chaos_seed: int | None = None, faults: int = 5, quiet: bool = False, catalog: str = "",
-                store: str = "") -> dict:
-    """`catalog` / `store`: the data plane (a PostgreSQL URL, a pyarrow.fs URI); empty = in `out`."""
+                observer=None, spares: int = 0, quiet: bool = False, catalog: str = "", store: str = "") -> dict:
+    """`observer(pool)` is called after every round of the pool (fault injection drives the pool's hooks
+    from there); when it has `finish(pool)` and `summary()`, its summary goes into the report as `chaos`.
+    `catalog` / `store`: the data plane (a PostgreSQL URL, a pyarrow.fs URI); empty = in `out`."""
     from core.progress import progress
     from rollout.pool import RolloutPool
     from rollout.sink import DataPlaneSink
@@ -52,27 +52,30 @@ def rollout_run(cfg: RolloutConfig, checkpoint: str | Path, domain: str, n: int,
     rd = RunDir(out)
     rd.save_config(cfg)
     requests = requests_for(domain, n, cfg)
-    schedule = chaos_mod.schedule(chaos_seed, cfg.pool.workers, faults) if chaos_seed is not None else []
     sink = DataPlaneSink(catalog or str(out / "catalog.db"), store or str(out / "store"), run=out.name)
     t0 = time.monotonic()
     # Ray prints worker-death notices on stdout; keep stdout for the report (`--json`)
     with progress("rollout", len(requests), quiet=quiet) as advance, contextlib.redirect_stdout(sys.stderr):
         pool = RolloutPool(checkpoint, out, cfg.pool, cfg.engine, sink=sink, max_tool_calls=cfg.sampling.max_tool_calls,
-                           use_tools=dom.uses_tools, progress=lambda k: advance(k))
+                           use_tools=dom.uses_tools, progress=lambda k: advance(k), spares=spares)
         try:
-            res = pool.run(requests, schedule)
+            res = pool.run(requests, observer)
+            if hasattr(observer, "finish"):
+                observer.finish(pool)
         finally:
             pool.close()
     wall = time.monotonic() - t0
     c = res.counters
+    chaos = observer.summary() if hasattr(observer, "summary") else None
     trajs = [{"id": r.traj_id, "length": len(res.finished[r.traj_id].tokens), "reward": res.finished[r.traj_id].reward,
               "token_hash": res.finished[r.traj_id].token_hash} for r in requests if r.traj_id in res.finished]
     report = {
-        "domain": domain, "n": n, "workers": cfg.pool.workers, "seed": cfg.pool.seed, "chaos_seed": chaos_seed,
+        "domain": domain, "n": n, "workers": cfg.pool.workers, "seed": cfg.pool.seed,
         "completed": len(trajs), "completion_rate": len(trajs) / max(1, n),
         "mean_reward": sum(t["reward"] for t in trajs) / max(1, len(trajs)),
         "trajectories": trajs,
-        "faults_injected": dict(res.faults),
+        "chaos": chaos,
+        "faults_injected": (chaos or {}).get("injected", {}),
         "resumes": {"kv_restore": c["kv_restore"], "reprefill": c["reprefill"], "complete": c["resumed_complete"]},
         "snapshot_rejected": {k.removeprefix("snapshot_"): v for k, v in c.items()
                               if k.startswith("snapshot_") and k != "snapshots_written"},

@@ -285,7 +285,7 @@ class SnapshotStore:
         return True
 
     def ids_on_disk(self) -> list[str]:
-        """File paths of every stored snapshot (the chaos injector picks victims from these)."""
+        """File paths of every stored snapshot (a drill picks victims from these)."""
         if self._local:
             return sorted(str(p) for p in self._local.glob("*.kv.safetensors"))
         from pyarrow import fs as pafs

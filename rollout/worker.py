@@ -183,6 +183,22 @@ class RolloutWorker:
         self.close()
         return n
 
+    def suspend(self) -> list[str]:
+        """Preempt the in-flight requests, not the worker: snapshot their KV, free their engine slots and queue
+        them again; the next `run` resumes them from the WAL and the snapshot. Called between runs, when every
+        drawn token is committed. Returns the suspended trajectory ids."""
+        self._check_live()
+        out = []
+        for traj, seq in list(self.engine.seqs.items()):
+            kv, covered = self.engine.export_kv(traj)
+            self.store.put(traj, encode(traj, seq.tokens[:covered], kv, self.engine.version, self.engine.fingerprint))
+            self.engine.remove(traj)
+            out.append(traj)
+        self.queue.extendleft(self.reqs[t] for t in reversed(out))
+        self.counters["snapshots_written"] += len(out)
+        self.counters["suspended"] += len(out)
+        return out
+
     def update_weights(self, state: dict, version: int) -> None:
         self.engine.load_weights(state, version)
 
@@ -314,6 +330,9 @@ try:
 
         def preempt(self) -> int:
             return self.w.preempt()
+
+        def suspend(self) -> list[str]:
+            return self.w.suspend()
 
         def update_weights(self, state, version: int) -> None:
             self.w.update_weights(state, version)

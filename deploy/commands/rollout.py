@@ -12,7 +12,8 @@ def add_arguments(p):
     p.add_argument("--workers", type=int, help="rollout workers (overrides pool.workers)")
     p.add_argument("--seed", type=int, help="run seed: trajectory ids and sampling (overrides pool.seed)")
     p.add_argument("--chaos", type=int, metavar="SEED", help="inject faults on a schedule drawn from SEED")
-    p.add_argument("--faults", type=int, default=5, help="faults injected under --chaos (default 5: one of each kind)")
+    p.add_argument("--faults", type=int, default=5, help="faults injected under --chaos (default 5: one of each kind); "
+                   "a run that ends before all of them fired fails and says why")
     p.add_argument("--out", required=True, help="run directory (must be empty or absent)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -50,16 +51,26 @@ def run(args) -> int:
 
         check(cluster, cfg, cluster.c.storage.catalog)
         return 0
+    injector = None
+    if args.chaos is not None:
+        from chaos.pool_faults import PoolInjector
+        from chaos.schedule import schedule
+
+        injector = PoolInjector(schedule(args.chaos, cfg.pool.workers, args.faults), seed=args.chaos)
     cluster.start(cfg)
     try:
-        report = rollout_run(cfg, args.checkpoint, args.domain, args.n, args.out, args.chaos, args.faults, args.quiet,
+        report = rollout_run(cfg, args.checkpoint, args.domain, args.n, args.out, observer=injector,
+                             spares=1 if injector else 0, quiet=args.quiet,
                              catalog=cluster.c.storage.catalog, store=cluster.c.storage.store)
     finally:
         cluster.close()
+    faults = report["chaos"]["injected"] if injector else {}
     if args.json:
         print(json.dumps(report))
     else:
         print(f"{report['completed']}/{report['n']} episodes, mean reward {report['mean_reward']:.3f}, "
-              f"faults {report['faults_injected']}, resumes {report['resumes']}, tokens lost {report['tokens_lost']}, "
+              f"faults {faults}, resumes {report['resumes']}, tokens lost {report['tokens_lost']}, "
               f"resampled {report['tokens_resampled']}, tool calls {report['tool_calls']} -> {args.out}/report.json")
+    if injector is not None and injector.shortfall():
+        raise UserError(f"rollout --chaos: {injector.shortfall()}")
     return 0

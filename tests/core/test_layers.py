@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 # bottom first; a package may import those before it
-LAYERS = ["core", "wal", "rewards", "dataplane", "rollout", "learner", "distill", "bench", "deploy"]
+LAYERS = ["core", "wal", "rewards", "dataplane", "rollout", "learner", "distill", "chaos", "bench", "deploy"]
 # never in a package of LAYERS: the heavy frameworks the leaves must not need
 FORBIDDEN = {"wal": {"torch", "ray"}, "core": {"ray", "grpc", "sqlalchemy", "pyarrow"},
              "dataplane": {"ray"}}

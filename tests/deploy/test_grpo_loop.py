@@ -19,7 +19,8 @@ from deploy.grpo_loop import TIMING_KEYS, run_grpo
 
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
 # Counters of the rollout pool that legitimately differ between a chaos run and a fault-free one.
-POOL_KEYS = ("faults", "replacements", "completed", "tokens_lost", "tokens_resampled")
+POOL_KEYS = ("faults", "faults_survived", "recovery_s_max", "replacements", "completed", "tokens_lost",
+             "tokens_resampled")
 BASE = ["sampling.max_new_tokens=12", "eval.max_new_tokens=12", "eval.n=16", "learner.threads=1",
         "learner.device=cpu", "pool.workers=1", "loop.eval_every=0"]
 
@@ -117,8 +118,7 @@ def test_chaos_run_completes_and_trains_on_the_same_tokens(tmp_path, reverse_bas
     run_grpo(cfg, "reverse", reverse_base, out, iterations=2, chaos_seed=3, quiet=True)
     train = _rows(out, "train")
     assert all(r["completed"] == 16 and r["tokens_lost"] == 0 and r["tokens_resampled"] == 0 for r in train)
-    assert all(r["faults"] <= 3 for r in train) and sum(r["faults"] for r in train) >= 2
-    assert sum(r["replacements"] for r in train) >= 2  # preempted / killed workers were replaced
+    assert all(r["faults"] == 3 == r["faults_survived"] for r in train)  # scheduled on progress: all of them fire
     # Faults (and 2 workers instead of 1) change nothing the learner sees: every trajectory resumed
     # from the WAL exactly as it would have run uninterrupted.
     assert [_seeded(r) for r in _rows(uninterrupted, "train")] == [_seeded(r) for r in train]

@@ -93,6 +93,15 @@ def test_chaos_equals_no_chaos_two_cli_runs(tmp_path, tiny_ckpt):
     _check_outputs(tmp_path / "b", chaos, 12)
 
 
+def test_chaos_that_cannot_inject_its_faults_fails_and_says_why(tmp_path, tiny_ckpt):
+    p = _cli("--checkpoint", tiny_ckpt, "--domain", "arith", "--n", 1, "--workers", 1, "--chaos", 1, "--faults", 40,
+             "--out", tmp_path / "short", "--json", "--quiet", *SETS, check=False)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "faults: the run ended after" in p.stderr and "of 40 faults" in p.stderr, p.stderr[-2000:]
+    report = _report(p)
+    assert 0 < sum(report["faults_injected"].values()) < 40 and report["completed"] == 1
+
+
 def test_bad_input_is_one_line(tmp_path, tiny_ckpt):
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "x").write_text("x")

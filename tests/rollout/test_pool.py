@@ -1,6 +1,6 @@
-"""The pool on real Ray actors: SIGKILL, ray.kill and graceful preemption (with corrupted or deleted
-snapshots) lose no committed token, sample none twice, and every trajectory completes exactly as
-without faults. A non-idempotent tool runs once per call although its caller is killed mid-call."""
+"""The pool on real Ray actors, its hooks driven by the chaos layer: SIGKILL, ray.kill and preemption
+(with corrupted or deleted snapshots) lose no committed token, sample none twice, and every trajectory
+completes exactly as without faults; a preemption keeps its worker. A non-idempotent tool runs once per call although its caller is killed mid-call."""
 import os
 import signal
 import threading
@@ -8,7 +8,8 @@ import time
 
 
 import wal
-from rollout.chaos import Fault
+from chaos.pool_faults import PoolInjector
+from chaos.schedule import Fault
 from rollout.config import EngineConfig, PoolConfig
 from rollout.pool import RolloutPool
 from rollout.sampling import SamplingParams
@@ -54,10 +55,11 @@ def test_faults_lose_nothing_and_resample_nothing(tmp_path, tiny_ckpt):
     pool = RolloutPool(tiny_ckpt, run_dir, PoolConfig(workers=2, steps_per_call=3), ENGINE, use_tools=False)
     from core.hf import load_policy
     pool.update_weights(load_policy(tiny_ckpt)[0].state_dict(), 2)  # same weights, new version: replacements too
-    chaos = [Fault(2, "sigkill", 0), Fault(3, "preempt", 1), Fault(5, "ray_kill", 0), Fault(6, "preempt_corrupt", 1),
-             Fault(8, "preempt_delete", 0)]
+    chaos = PoolInjector([Fault("sigkill", 0, 1), Fault("preempt", 1, 0), Fault("actor_kill", 0, 1),
+                          Fault("snapshot_corrupt", 1, 0), Fault("snapshot_delete", 0, 1)], seed=1)
     try:
         res = pool.run(reqs, chaos)
+        chaos.finish(pool)
     finally:
         pool.close()
     assert set(res.finished) == set(ref)
@@ -66,8 +68,12 @@ def test_faults_lose_nothing_and_resample_nothing(tmp_path, tiny_ckpt):
         assert _positions_contiguous(run_dir, 2, t) == len(f.tokens)
     assert res.tokens_lost == 0 and res.tokens_resampled == 0
     assert all(set(f.policy_versions) == {2} for f in res.finished.values())  # every token records its policy
-    assert sum(res.faults.values()) == 5 and res.replacements == 5
-    assert res.counters["kv_restore"] + res.counters["reprefill"] >= 1
+    summary = chaos.summary()
+    assert summary["injected"] == summary["survived"] == {k: 1 for k in ("sigkill", "preempt", "actor_kill",
+                                                                          "snapshot_corrupt", "snapshot_delete")}
+    assert res.replacements == 2  # the kills; the preemptions resumed on their own workers
+    assert res.counters["suspended"] >= 3 and res.counters["kv_restore"] >= 1
+    assert res.counters["snapshot_corrupt"] >= 1 and res.counters["snapshot_missing"] >= 1
 
 
 def _seed_wal_with_a_call(run_dir, tok, prompt, call, traj="calc-x"):

@@ -1,0 +1,33 @@
+"""The drill catalog: name -> what it does and the function that runs it. Order is run order (the WAL
+drills fork writer processes, so they run before any Ray worker exists)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from chaos import rollout_drills, wal_drills
+from chaos.drill import DrillContext, DrillResult
+
+
+@dataclass(frozen=True)
+class Drill:
+    name: str
+    what: str
+    run: Callable[[DrillContext, int], DrillResult]  # (context, faults to inject)
+    default_faults: int
+
+
+def _rollout(name: str) -> Callable[[DrillContext, int], DrillResult]:
+    return lambda ctx, n: rollout_drills.run_rollout_drill(ctx, name, n)
+
+
+DRILLS = {d.name: d for d in [
+    Drill("wal-kill", "SIGKILL of WAL writer processes at random points; every acknowledged token kept", wal_drills.wal_kill, 400),
+    Drill("wal-torn", "the last flush of a log torn as a power cut leaves it; the log opens, earlier tokens kept", wal_drills.wal_torn, 200),
+    Drill("wal-bitflip", "one bit of committed log data flipped; the log is refused, never skipped", wal_drills.wal_bitflip, 200),
+    Drill("rollout-preempt", "requests preempted to KV snapshots, resumed on the same worker", _rollout("rollout-preempt"), 40),
+    Drill("snapshot-corrupt", "preempted, then a bit of every snapshot flipped; re-prefill from the WAL", _rollout("snapshot-corrupt"), 30),
+    Drill("snapshot-delete", "preempted, then the snapshots deleted; re-prefill from the WAL", _rollout("snapshot-delete"), 30),
+    Drill("actor-kill", "ray.kill of rollout actors; a warm spare takes over and resumes from the WAL", _rollout("actor-kill"), 20),
+    Drill("worker-sigkill", "SIGKILL of rollout worker processes; a warm spare takes over", _rollout("worker-sigkill"), 20),
+]}

@@ -1,0 +1,132 @@
+"""PoolInjector: drives a RolloutPool's hooks from outside on a seeded schedule and times each recovery.
+
+The pool calls the injector after every round of collected worker calls (`RolloutPool.run(observer=)`).
+Each fault waits its gap in rounds, then fires on a worker that holds requests in flight:
+
+    preempt           `pool.preempt(k)`: the worker snapshots the KV of its requests and resumes them
+    snapshot_corrupt  preempt, then one bit of every written snapshot flipped (resume re-prefills)
+    snapshot_delete   preempt, then the written snapshots deleted (resume re-prefills)
+    actor_kill        `pool.kill(k)`: `ray.kill` of the actor (a warm spare takes its slot)
+    sigkill           SIGKILL to the worker's process
+
+Recovery time of a fault: from the fault until every trajectory it hit has shown a new committed token
+(or finished). A fault counts as survived once recovered; the run's audit (tokens lost, re-sampled,
+token hashes) is the drill's.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from chaos.files import flip_bit
+from chaos.schedule import Fault
+
+
+@dataclass
+class FaultEvent:
+    kind: str
+    slot: int
+    t_s: float  # since the injector's first round
+    trajectories: dict[str, int]  # hit trajectory -> committed positions seen at the fault
+    recovery_s: float | None = None
+
+
+@dataclass
+class PoolInjector:
+    faults: list[Fault]
+    seed: int = 0
+    clock: object = time.monotonic
+    events: list[FaultEvent] = field(default_factory=list)
+    rounds: int = 0
+
+    def __post_init__(self):
+        self._pending = deque(self.faults)
+        self._wait = self._pending[0].gap if self._pending else 0
+        self._t0 = None
+        self._rng = random.Random(self.seed)
+
+    @property
+    def asked(self) -> int:
+        return len(self.faults)
+
+    @property
+    def injected(self) -> int:
+        return len(self.events)
+
+    def __call__(self, pool) -> None:
+        now = self.clock()
+        if self._t0 is None:
+            self._t0 = now
+        self.rounds += 1
+        self._note_recoveries(pool, now)
+        if not self._pending:
+            return
+        if self._wait > 0:
+            self._wait -= 1
+            return
+        f = self._pending[0]
+        n = len(pool.slots)
+        slot = next((k % n for k in range(f.slot, f.slot + n) if pool.in_flight(k % n)), None)
+        if slot is None:
+            return  # nothing in flight anywhere this round: the fault waits
+        hit = self._inject(pool, f.kind, slot)
+        if not hit:
+            return
+        self.events.append(FaultEvent(f.kind, slot, round(now - self._t0, 6), {t: pool.seen(t) for t in hit}))
+        self._pending.popleft()
+        self._wait = self._pending[0].gap if self._pending else 0
+
+    def _inject(self, pool, kind: str, slot: int) -> list[str]:
+        if kind in ("preempt", "snapshot_corrupt", "snapshot_delete"):
+            hit = pool.preempt(slot)
+            if kind != "preempt":
+                paths = [p for p in map(pool.snapshot_path, hit) if os.path.isfile(p)]
+                if not paths:
+                    return []  # no snapshot to spoil (the requests were only queued): try again next round
+                for p in paths:
+                    if kind == "snapshot_delete":
+                        os.unlink(p)
+                    else:
+                        flip_bit(p, self._rng, lo=8)
+            return hit
+        hit = pool.in_flight(slot)
+        if kind == "actor_kill":
+            pool.kill(slot)
+        elif kind == "sigkill":
+            try:
+                os.kill(pool.worker_pid(slot), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        else:
+            raise ValueError(f"unknown rollout fault kind {kind!r}")
+        return hit
+
+    def _note_recoveries(self, pool, now: float) -> None:
+        for e in self.events:
+            if e.recovery_s is None and all(pool.finished(t) or pool.seen(t) > k for t, k in e.trajectories.items()):
+                e.recovery_s = round(now - self._t0 - e.t_s, 6)
+
+    def finish(self, pool) -> None:
+        """After the run: trajectories that finished since the last round count as recovered now."""
+        self._note_recoveries(pool, self.clock())
+
+    def shortfall(self) -> str:
+        """Why fewer faults were injected than asked ('' when all were)."""
+        if self.injected >= self.asked:
+            return ""
+        left = Counter(f.kind for f in list(self._pending))
+        return (f"injected {self.injected} of {self.asked} faults: the run ended after {self.rounds} pool rounds "
+                f"with {dict(left)} still waiting for requests in flight; give the run more work "
+                f"(more episodes or longer completions) or ask for fewer faults")
+
+    def summary(self) -> dict:
+        by_kind = Counter(e.kind for e in self.events)
+        survived = Counter(e.kind for e in self.events if e.recovery_s is not None)
+        return {"asked": self.asked, "injected": dict(by_kind), "survived": dict(survived),
+                "shortfall": self.shortfall(), "rounds": self.rounds,
+                "events": [{"kind": e.kind, "slot": e.slot, "t_s": e.t_s, "recovery_s": e.recovery_s,
+                            "trajectories": len(e.trajectories)} for e in self.events]}

@@ -1,0 +1,144 @@
+"""Rollout drills: faults on real Ray rollout workers through the pool's hooks (`chaos.pool_faults`).
+
+Each drill rolls out arith requests on a tiny policy built from config, through one pool that the
+rollout drills share, under faults of one kind; the same requests are decoded uninterrupted in one
+process for the reference hashes, and the same amount of work runs calm on the pool for the wall-time
+baseline. The faulted run must complete every trajectory with the reference's token hashes, lose no committed token and sample none twice, and recover the way its kind promises:
+
+    rollout-preempt   the worker suspends its requests to KV snapshots and resumes them itself
+                      (no replacement; every resume restores the snapshot, none re-prefills)
+    snapshot-corrupt  preempt, then flip a bit in the snapshots: the checksum rejects them, re-prefill
+    snapshot-delete   preempt, then delete the snapshots: re-prefill from the WAL
+    actor-kill        ray.kill of the actor: a warm spare takes the slot and resumes from the WAL
+    worker-sigkill    SIGKILL of the worker process: the same
+"""
+from __future__ import annotations
+
+import time
+
+from chaos.drill import DrillContext, DrillResult, Event
+from chaos.pool_faults import PoolInjector
+from chaos.schedule import schedule
+
+KIND = {"rollout-preempt": "preempt", "snapshot-corrupt": "snapshot_corrupt", "snapshot-delete": "snapshot_delete",
+        "actor-kill": "actor_kill", "worker-sigkill": "sigkill"}
+WORKERS = 2
+
+
+def tiny_checkpoint(ctx: DrillContext) -> str:
+    """A tiny Qwen2-architecture policy with seeded random weights (no download), built once per run."""
+    if "checkpoint" not in ctx.cache:
+        import torch
+
+        from core.hf import save_policy
+        from learner.config import PolicyConfig
+        from learner.policy import build_policy
+
+        torch.manual_seed(ctx.seed)
+        cfg = PolicyConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                           max_positions=256, seed=ctx.seed)
+        path = ctx.work("policy")
+        save_policy(*build_policy(cfg), path)
+        ctx.cache["checkpoint"] = str(path)
+    return ctx.cache["checkpoint"]
+
+
+def _requests(prefix: str, n: int):
+    from rollout.sampling import SamplingParams
+    from rollout.types import Request
+
+    params = SamplingParams(max_new_tokens=40)
+    return [Request(f"{prefix}-{i:05d}", "arith", f"add {i * 13 % 97}+{i * 7 % 89}=", params) for i in range(n)]
+
+
+def _pool(ctx: DrillContext):
+    """One pool (two workers, two warm spares) for every rollout drill of the run; each drill rolls out
+    its own trajectory ids through it."""
+    if "rollout_pool" not in ctx.cache:
+        from rollout.config import EngineConfig, PoolConfig
+        from rollout.pool import RolloutPool
+
+        cfg = PoolConfig(workers=WORKERS, steps_per_call=2, seed=ctx.seed, max_replacements=100_000, call_timeout_s=120)
+        pool = RolloutPool(tiny_checkpoint(ctx), ctx.work("rollout-pool"), cfg, EngineConfig(max_batch=4, strict=True),
+                           use_tools=False, spares=2)
+        ctx.cache["rollout_pool"] = pool
+        ctx.closers.append(pool.close)
+    return ctx.cache["rollout_pool"]
+
+
+def _run(ctx: DrillContext, requests, injector=None):
+    """A pool run; its counters are this run's (the pool's are cumulative)."""
+    from collections import Counter
+
+    pool = _pool(ctx)
+    before, replaced = Counter(pool.counters()), pool.replacements
+    t0 = time.monotonic()
+    res = pool.run(requests, injector)
+    wall = time.monotonic() - t0
+    if injector is not None:
+        injector.finish(pool)
+    counters = Counter(res.counters)
+    counters.subtract(before)
+    return res, counters, res.replacements - replaced, wall
+
+
+def _calm_wall(ctx: DrillContext, n: int) -> float:
+    """Wall time of the same amount of work without faults, on the same pool."""
+    key = ("rollout-calm", n)
+    if key not in ctx.cache:
+        ctx.cache[key] = _run(ctx, _requests(f"calm{n}", n))[3]
+    return ctx.cache[key]
+
+
+def _reference(ctx: DrillContext, requests) -> dict[str, str]:
+    """Token hash of every trajectory decoded uninterrupted, in one process (strict decode is batch-invariant)."""
+    from rollout.config import EngineConfig
+    from rollout.worker import RolloutWorker, WorkerSpec
+
+    d = ctx.work("rollout-reference") / requests[0].traj_id
+    w = RolloutWorker(WorkerSpec("calm", tiny_checkpoint(ctx), str(d / "wal"), str(d / "kv"), seed=ctx.seed,
+                                 engine=EngineConfig(max_batch=8, strict=True)))
+    w.submit(requests)
+    out = {}
+    try:
+        while True:
+            rep = w.run(16)
+            out.update({f.traj_id: f.token_hash for f in rep.finished})
+            w.finalize([f.traj_id for f in rep.finished])
+            if rep.idle:
+                return out
+    finally:
+        w.close()
+
+
+def run_rollout_drill(ctx: DrillContext, name: str, faults: int) -> DrillResult:
+    kind = KIND[name]
+    n = 4 + 2 * faults
+    calm_wall = _calm_wall(ctx, n)
+    requests = _requests(name, n)
+    calm = _reference(ctx, requests)
+    injector = PoolInjector(schedule(ctx.seed, WORKERS, faults, kinds=(kind,)), seed=ctx.seed)
+    res, c, replacements, wall = _run(ctx, requests, injector)
+    out = DrillResult(name, {kind: faults}, shortfall=injector.shortfall())
+    out.events = [Event(e.kind, e.t_s, e.recovery_s) for e in injector.events]
+    out.tokens_lost, out.tokens_resampled = res.tokens_lost, res.tokens_resampled
+    out.completed, out.calm_completed = len(res.finished), len(calm)
+    out.hashes_equal = {t: f.token_hash for t, f in res.finished.items()} == calm
+    out.wall_s, out.calm_wall_s = wall, calm_wall
+    out.detail = {"trajectories": n, "replacements": replacements, "suspended": c["suspended"],
+                  "kv_restore": c["kv_restore"], "reprefill": c["reprefill"],
+                  "snapshot_rejected": {k.removeprefix("snapshot_"): v for k, v in c.items()
+                                        if k.startswith("snapshot_") and k != "snapshots_written"},
+                  "tokens_committed": c["tokens_committed"]}
+    if kind == "preempt":
+        out.checks["preemption keeps the worker (no replacement)"] = replacements == 0
+        out.checks["every preempted request resumed from its KV snapshot"] = c["reprefill"] == 0 and c["kv_restore"] >= faults
+    elif kind == "snapshot_corrupt":
+        rejected = sum(v for k, v in out.detail["snapshot_rejected"].items() if k != "missing")
+        out.checks["every damaged snapshot rejected, re-prefilled from the WAL"] = rejected >= faults and c["kv_restore"] == 0
+    elif kind == "snapshot_delete":
+        out.checks["every deleted snapshot missed, re-prefilled from the WAL"] = (c["snapshot_missing"] >= faults
+                                                                                 and c["kv_restore"] == 0)
+    else:
+        out.checks["each killed worker replaced once"] = replacements == len(injector.events)
+    return out
