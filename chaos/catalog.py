@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from chaos import rollout_drills, wal_drills
+from chaos import cache_drill, catalog_drill, disk_drill, rollout_drills, sandbox_drill, wal_drills
 from chaos.drill import DrillContext, DrillResult
 
 
@@ -25,6 +25,14 @@ DRILLS = {d.name: d for d in [
     Drill("wal-kill", "SIGKILL of WAL writer processes at random points; every acknowledged token kept", wal_drills.wal_kill, 400),
     Drill("wal-torn", "the last flush of a log torn as a power cut leaves it; the log opens, earlier tokens kept", wal_drills.wal_torn, 200),
     Drill("wal-bitflip", "one bit of committed log data flipped; the log is refused, never skipped", wal_drills.wal_bitflip, 200),
+    Drill("disk-full", "ENOSPC on the WAL and data-plane directories (a size-capped tmpfs); one clear error, "
+          "nothing acknowledged lost, writing resumes when space returns", disk_drill.disk_full, 30),
+    Drill("catalog-drop", "PostgreSQL backends terminated mid-put, SQLite writers SIGKILLed mid-transaction; nothing half-visible",
+          catalog_drill.catalog_drop, 40),
+    Drill("sandbox-kill", "the sandbox service SIGKILLed during a non-idempotent tool call; the call runs at most once, "
+          "a returned result exactly once", sandbox_drill.sandbox_kill, 15),
+    Drill("teacher-cache-corrupt", "a bit flipped in a teacher hidden-state shard of the OPD cache; the damaged rows "
+          "are detected and recomputed, bitwise equal", cache_drill.teacher_cache_corrupt, 60),
     Drill("rollout-preempt", "requests preempted to KV snapshots, resumed on the same worker", _rollout("rollout-preempt"), 40),
     Drill("snapshot-corrupt", "preempted, then a bit of every snapshot flipped; re-prefill from the WAL", _rollout("snapshot-corrupt"), 30),
     Drill("snapshot-delete", "preempted, then the snapshots deleted; re-prefill from the WAL", _rollout("snapshot-delete"), 30),

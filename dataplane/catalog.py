@@ -4,6 +4,7 @@ bytewise collation and insert-or-ignore. The schema version is checked at open."
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -78,6 +79,17 @@ def normalize_url(url: str | Path) -> str:
     return postgres.normalize_url(url) if url.startswith(("postgresql", "postgres")) else url
 
 
+def _full_device(url: str) -> str:
+    """SQLite reports a full device met while opening as a 'disk I/O error': say what it is."""
+    if not url.startswith("sqlite:///"):
+        return ""
+    try:
+        free = shutil.disk_usage(Path(url.removeprefix("sqlite:///")).parent).free
+    except OSError:
+        return ""
+    return " (no space left on the device that holds it: free space, then open again)" if free < (64 << 10) else ""
+
+
 class Catalog:
     def __init__(self, url: str | Path, namespace: str | None = None, create: bool = True):
         self.url = normalize_url(url)
@@ -87,7 +99,7 @@ class Catalog:
             self.engine = self.backend.make_engine(self.url, namespace)
             self._check_schema(create)
         except OperationalError as exc:
-            raise DataPlaneError(f"catalog {self._safe_url()}: cannot open: {exc.orig}") from None
+            raise DataPlaneError(f"catalog {self._safe_url()}: cannot open: {exc.orig}{_full_device(self.url)}") from None
 
     def _safe_url(self) -> str:
         return self.url.split("@")[-1] if "@" in self.url else self.url
