@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from chaos import cache_drill, catalog_drill, disk_drill, rollout_drills, sandbox_drill, wal_drills
+from chaos import cache_drill, catalog_drill, disk_drill, rollout_drills, sandbox_drill, wal_drills, wal_service_drill
 from chaos.drill import DrillContext, DrillResult
 
 
@@ -25,6 +25,8 @@ DRILLS = {d.name: d for d in [
     Drill("wal-kill", "SIGKILL of WAL writer processes at random points; every acknowledged token kept", wal_drills.wal_kill, 400),
     Drill("wal-torn", "the last flush of a log torn as a power cut leaves it; the log opens, earlier tokens kept", wal_drills.wal_torn, 200),
     Drill("wal-bitflip", "one bit of committed log data flipped; the log is refused, never skipped", wal_drills.wal_bitflip, 200),
+    Drill("wal-service-kill", "SIGKILL of `postrain wal serve` mid-stream, then a restart; the client reconnects, "
+          "nothing acknowledged lost, nothing written twice", wal_service_drill.wal_service_kill, 12),
     Drill("disk-full", "ENOSPC on the WAL and data-plane directories (a size-capped tmpfs); one clear error, "
           "nothing acknowledged lost, writing resumes when space returns", disk_drill.disk_full, 30),
     Drill("catalog-drop", "PostgreSQL backends terminated mid-put, SQLite writers SIGKILLed mid-transaction; nothing half-visible",

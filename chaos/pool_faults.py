@@ -9,8 +9,9 @@ Each fault waits its gap in rounds, then fires on a worker that holds requests i
     actor_kill        `pool.kill(k)`: `ray.kill` of the actor (a warm spare takes its slot)
     sigkill           SIGKILL to the worker's process
 
-Recovery time of a fault: from the fault until every trajectory it hit has shown a new committed token
-(or finished). A fault counts as survived once recovered; the run's audit (tokens lost, re-sampled,
+Recovery time of a fault: from the moment it took effect (a kill when sent; a preemption once the
+worker has stopped the requests, which waits for its call in progress) until every trajectory it hit
+has shown a new committed token (or finished). A fault counts as survived once recovered; the run's audit (tokens lost, re-sampled,
 token hashes) is the drill's.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 from chaos.files import flip_bit
 from chaos.schedule import Fault
+
+PREEMPTIONS = ("preempt", "snapshot_corrupt", "snapshot_delete")
 
 
 @dataclass
@@ -76,12 +79,14 @@ class PoolInjector:
         hit = self._inject(pool, f.kind, slot)
         if not hit:
             return
+        if f.kind in PREEMPTIONS:  # a preemption takes effect once the worker has stopped the requests
+            now = self.clock()
         self.events.append(FaultEvent(f.kind, slot, round(now - self._t0, 6), {t: pool.seen(t) for t in hit}))
         self._pending.popleft()
         self._wait = self._pending[0].gap if self._pending else 0
 
     def _inject(self, pool, kind: str, slot: int) -> list[str]:
-        if kind in ("preempt", "snapshot_corrupt", "snapshot_delete"):
+        if kind in PREEMPTIONS:
             hit = pool.preempt(slot)
             if kind != "preempt":
                 paths = [p for p in map(pool.snapshot_path, hit) if os.path.isfile(p)]
