@@ -58,7 +58,7 @@ class DrillResult:
         for kind, n in self.asked.items():
             if self.injected.get(kind, 0) < n:
                 out.append(f"injected {self.injected.get(kind, 0)} of {n} {kind} faults"
-                           + (f": {self.shortfall}" if self.shortfall else ""))
+                           + (f" ({self.shortfall})" if self.shortfall else ""))
         if asked == 0:
             out.append("no fault was asked for")
         if ok < got:

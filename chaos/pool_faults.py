@@ -11,7 +11,7 @@ Each fault waits its gap in rounds, then fires on a worker that holds requests i
 
 Recovery time of a fault: from the moment it took effect (a kill when sent; a preemption once the
 worker has stopped the requests, which waits for its call in progress) until every trajectory it hit
-has shown a new committed token (or finished). A fault counts as survived once recovered; the run's audit (tokens lost, re-sampled,
+has shown a new committed token (or finished); for a kill, a token reported by the replacement. A fault counts as survived once recovered; the run's audit (tokens lost, re-sampled,
 token hashes) is the drill's.
 """
 from __future__ import annotations
@@ -35,6 +35,8 @@ class FaultEvent:
     slot: int
     t_s: float  # since the injector's first round
     trajectories: dict[str, int]  # hit trajectory -> committed positions seen at the fault
+    incarnation: int = 0  # of the hit worker at the fault (a kill recovers on a later one)
+    replaced: bool = False  # a kill: the replacement runs; progress counts from here
     recovery_s: float | None = None
 
 
@@ -45,6 +47,10 @@ class PoolInjector:
     clock: object = time.monotonic
     events: list[FaultEvent] = field(default_factory=list)
     rounds: int = 0
+    # a kill waits until the pool has a warm spare: failures no closer together than a spare's start-up
+    # (the spare capacity a drill sizes); off for --chaos, whose faults must fire within one batch
+    wait_for_spare: bool = False
+    spare_waits: int = 0  # rounds a kill waited for a warm spare
 
     def __post_init__(self):
         self._pending = deque(self.faults)
@@ -76,12 +82,16 @@ class PoolInjector:
         slot = next((k % n for k in range(f.slot, f.slot + n) if pool.in_flight(k % n)), None)
         if slot is None:
             return  # nothing in flight anywhere this round: the fault waits
+        if self.wait_for_spare and f.kind not in PREEMPTIONS and pool.spares and not pool.warm_spares():
+            self.spare_waits += 1
+            return
         hit = self._inject(pool, f.kind, slot)
         if not hit:
             return
         if f.kind in PREEMPTIONS:  # a preemption takes effect once the worker has stopped the requests
             now = self.clock()
-        self.events.append(FaultEvent(f.kind, slot, round(now - self._t0, 6), {t: pool.seen(t) for t in hit}))
+        self.events.append(FaultEvent(f.kind, slot, round(now - self._t0, 6), {t: pool.seen(t) for t in hit},
+                                      pool.incarnation(slot)))
         self._pending.popleft()
         self._wait = self._pending[0].gap if self._pending else 0
 
@@ -112,7 +122,15 @@ class PoolInjector:
 
     def _note_recoveries(self, pool, now: float) -> None:
         for e in self.events:
-            if e.recovery_s is None and all(pool.finished(t) or pool.seen(t) > k for t, k in e.trajectories.items()):
+            if e.recovery_s is not None:
+                continue
+            if e.kind not in PREEMPTIONS and not e.replaced:
+                # a kill: tokens the dead worker reported before it died are no recovery; count from the
+                # first round that sees its replacement, when the old worker's last report is settled
+                if pool.incarnation(e.slot) == e.incarnation and not all(map(pool.finished, e.trajectories)):
+                    continue
+                e.replaced, e.trajectories = True, {t: pool.seen(t) for t in e.trajectories}
+            if all(pool.finished(t) or pool.seen(t) > k for t, k in e.trajectories.items()):
                 e.recovery_s = round(now - self._t0 - e.t_s, 6)
 
     def finish(self, pool) -> None:
@@ -124,14 +142,15 @@ class PoolInjector:
         if self.injected >= self.asked:
             return ""
         left = Counter(f.kind for f in list(self._pending))
+        spare = f" ({self.spare_waits} rounds a kill waited for a warm spare)" if self.spare_waits else ""
         return (f"injected {self.injected} of {self.asked} faults: the run ended after {self.rounds} pool rounds "
-                f"with {dict(left)} still waiting for requests in flight; give the run more work "
+                f"with {dict(left)} still waiting for requests in flight{spare}; give the run more work "
                 f"(more episodes or longer completions) or ask for fewer faults")
 
     def summary(self) -> dict:
         by_kind = Counter(e.kind for e in self.events)
         survived = Counter(e.kind for e in self.events if e.recovery_s is not None)
         return {"asked": self.asked, "injected": dict(by_kind), "survived": dict(survived),
-                "shortfall": self.shortfall(), "rounds": self.rounds,
+                "shortfall": self.shortfall(), "rounds": self.rounds, "spare_waits": self.spare_waits,
                 "events": [{"kind": e.kind, "slot": e.slot, "t_s": e.t_s, "recovery_s": e.recovery_s,
                             "trajectories": len(e.trajectories)} for e in self.events]}

@@ -1,7 +1,7 @@
 """Rollout drills: faults on real Ray rollout workers through the pool's hooks (`chaos.pool_faults`).
 
-Each drill rolls out arith requests on a tiny policy built from config, through one pool that the
-rollout drills share, under faults of one kind; the same requests are decoded uninterrupted in one
+Each drill rolls out batches of arith requests on a tiny policy built from config, through one pool
+that the rollout drills share, under faults of one kind, until every fault has fired; the same requests are decoded uninterrupted in one
 process for the reference hashes, and the same amount of work runs calm on the pool for the wall-time
 baseline. The faulted run must complete every trajectory with the reference's token hashes, lose no committed token and sample none twice, and recover the way its kind promises:
 
@@ -11,6 +11,9 @@ baseline. The faulted run must complete every trajectory with the reference's to
     snapshot-delete   preempt, then delete the snapshots: re-prefill from the WAL
     actor-kill        ray.kill of the actor: a warm spare takes the slot and resumes from the WAL
     worker-sigkill    SIGKILL of the worker process: the same
+
+A kill waits until the pool holds a warm spare: the drill measures a replacement with the spare
+capacity it sizes, failures no closer together than a spare's start-up.
 """
 from __future__ import annotations
 
@@ -111,21 +114,47 @@ def _reference(ctx: DrillContext, requests) -> dict[str, str]:
         w.close()
 
 
+def _wait_for_spares(ctx: DrillContext, timeout_s: float = 300.0) -> None:
+    """Before a kill drill: the pool's spares are up (a replacement's cost is then what the drill measures)."""
+    pool = _pool(ctx)
+    deadline = time.monotonic() + timeout_s
+    while pool.warm_spares() < pool.spares and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def run_rollout_drill(ctx: DrillContext, name: str, faults: int) -> DrillResult:
+    """Batches of `n` requests through the pool until every fault has fired (at most `faults` + 1 batches):
+    a kill waits for a warm spare, and a batch may end before the next spare is up."""
+    from collections import Counter
+
     kind = KIND[name]
     n = 4 + 2 * faults
     calm_wall = _calm_wall(ctx, n)
-    requests = _requests(name, n)
-    calm = _reference(ctx, requests)
-    injector = PoolInjector(schedule(ctx.seed, WORKERS, faults, kinds=(kind,)), seed=ctx.seed)
-    res, c, replacements, wall = _run(ctx, requests, injector)
-    out = DrillResult(name, {kind: faults}, shortfall=injector.shortfall())
+    kills = kind not in ("preempt", "snapshot_corrupt", "snapshot_delete")
+    if kills:
+        _wait_for_spares(ctx)
+    injector = PoolInjector(schedule(ctx.seed, WORKERS, faults, kinds=(kind,)), seed=ctx.seed, wait_for_spare=kills)
+    out = DrillResult(name, {kind: faults})
+    c, replacements, finished, calm, batches = Counter(), 0, {}, {}, 0
+    out.wall_s = out.calm_wall_s = 0.0
+    while injector.injected < faults and batches <= faults:
+        requests = _requests(f"{name}-b{batches}", n)
+        calm.update(_reference(ctx, requests))
+        res, counters, replaced, wall = _run(ctx, requests, injector)
+        c.update(counters)
+        replacements += replaced
+        finished.update({t: f.token_hash for t, f in res.finished.items()})
+        out.tokens_lost += res.tokens_lost
+        out.tokens_resampled += res.tokens_resampled
+        out.wall_s += wall
+        out.calm_wall_s += calm_wall
+        batches += 1
+    out.shortfall = injector.shortfall()
     out.events = [Event(e.kind, e.t_s, e.recovery_s) for e in injector.events]
-    out.tokens_lost, out.tokens_resampled = res.tokens_lost, res.tokens_resampled
-    out.completed, out.calm_completed = len(res.finished), len(calm)
-    out.hashes_equal = {t: f.token_hash for t, f in res.finished.items()} == calm
-    out.wall_s, out.calm_wall_s = wall, calm_wall
-    out.detail = {"trajectories": n, "replacements": replacements, "suspended": c["suspended"],
+    out.completed, out.calm_completed = len(finished), len(calm)
+    out.hashes_equal = finished == calm
+    out.detail = {"trajectories": n * batches, "batches": batches, "replacements": replacements,
+                  "rounds_a_kill_waited_for_a_warm_spare": injector.spare_waits, "suspended": c["suspended"],
                   "kv_restore": c["kv_restore"], "reprefill": c["reprefill"],
                   "snapshot_rejected": {k.removeprefix("snapshot_"): v for k, v in c.items()
                                         if k.startswith("snapshot_") and k != "snapshots_written"},

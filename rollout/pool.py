@@ -13,8 +13,9 @@ The pool also audits the stream it received: every committed token it was shown 
 position in the final trajectory (`tokens_lost`), and no position may be reported twice
 (`tokens_resampled`).
 
-The hooks at the end (`preempt`, `kill`, `worker_pid`, `in_flight`, `seen`, `snapshot_path`) are
-what an operator or a fault-injection drill (`chaos/`) uses from outside; the pool holds no fault code.
+The hooks at the end (`preempt`, `kill`, `worker_pid`, `warm_spares`, `incarnation`, `in_flight`, `seen`,
+`snapshot_path`) are what an operator or a fault-injection drill (`chaos/`) uses from outside; the pool
+holds no fault code.
 """
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ class RolloutPool:
         ]
         # Warm spares: actor processes with their imports done, waiting to take over a dead worker's slot
         # (a cold actor start is most of a replacement's cost).
-        self.spares, self._spares = spares, deque()
+        self.spares, self._spares = spares, deque()  # (actor, ping): the ping answers once the spare is up
         self._start(*self.slots)  # all at once: each actor imports torch and loads the policy in parallel
         self.replacements = 0
         self._dead_counters: Counter = Counter()
@@ -112,7 +113,7 @@ class RolloutPool:
         refs = []
         for slot in slots:
             if self._spares:
-                slot.actor = self._spares.popleft()
+                slot.actor, _ = self._spares.popleft()
                 refs.append(slot.actor.start.remote(slot.spec, self.weights_ref, self.version))
             else:
                 slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
@@ -132,7 +133,8 @@ class RolloutPool:
             slot.incarnation += 1
             slot.ref = None
         while len(self._spares) < self.spares:  # warming in the background; nobody waits for it
-            self._spares.append(self._actor())
+            spare = self._actor()
+            self._spares.append((spare, spare.pid.remote()))
 
     def _replace(self, slot: _Slot, why: str) -> None:
         if self.replacements >= self.cfg.max_replacements:
@@ -158,7 +160,7 @@ class RolloutPool:
             self.ray.get(s.actor.update_weights.remote(self.weights_ref, version), timeout=self.cfg.call_timeout_s)
 
     def close(self) -> None:
-        for actor in [s.actor for s in self.slots] + list(self._spares):
+        for actor in [s.actor for s in self.slots] + [a for a, _ in self._spares]:
             try:
                 self.ray.kill(actor, no_restart=True)
             except Exception:
@@ -286,6 +288,18 @@ class RolloutPool:
     def worker_pid(self, slot_index: int) -> int:
         """The process id of worker `slot_index`'s current actor."""
         return self.slots[slot_index].pid
+
+    def warm_spares(self) -> int:
+        """Spare actors that are up (process started, imports done): a replacement now takes no start-up."""
+        pings = [p for _, p in self._spares]
+        if not pings:
+            return 0
+        ready, _ = self.ray.wait(pings, num_returns=len(pings), timeout=0)
+        return len(ready)
+
+    def incarnation(self, slot_index: int) -> int:
+        """How many actors worker `slot_index` has had (1 until its first replacement)."""
+        return self.slots[slot_index].incarnation
 
     def in_flight(self, slot_index: int) -> list[str]:
         """Trajectory ids handed to worker `slot_index` and not finished."""
