@@ -45,7 +45,10 @@ def run(args) -> int:
             print(f"{s['name']}: {s['faults_injected']} faults in {s['elapsed_s']:.1f} s, {s['verdict']}",
                   file=sys.stderr, flush=True)
 
-    report = run_drills(list(DRILLS) if args.all else args.names, out, args.seed, args.trials, progress)
-    write(report, out)
-    print(json.dumps(report) if args.json else table(report) + f"\n-> {out}/drill.json, {out}/drill.png")
+    import contextlib
+
+    with contextlib.redirect_stdout(sys.stderr):  # Ray and the services print notices; stdout keeps the report
+        report = run_drills(list(DRILLS) if args.all else args.names, out, args.seed, args.trials, progress)
+        write(report, out)
+    print(json.dumps(report) if args.json else table(report) + f"\n-> {out}/drill.json, {out}/drill.png", flush=True)
     return 0 if report["verdict"] == "pass" else 1
