@@ -39,7 +39,7 @@ def test_unreachable_cluster_is_one_error_at_once():
     t0 = time.monotonic()
     with pytest.raises(UserError, match="cannot reach the Ray cluster at 127.0.0.1:"):
         init_ray(f"127.0.0.1:{free_port()}")
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 30  # not ray.init's minute of retries
 
 
 def test_dry_run_embedded_reports_each_dependency(tmp_path):
@@ -88,9 +88,8 @@ def test_unreachable_services_fail_at_start_not_mid_run(tmp_path):
     port = free_port()
     bad = tmp_path / "bad.toml"
     bad.write_text(f'[wal]\nmode = "external"\naddresses = ["127.0.0.1:{port}"]\n')
-    t0 = time.monotonic()
     res = postrain("rollout", "--checkpoint", str(tmp_path / "none"), "--domain", "reverse", "--n", "2",
                    "--out", str(tmp_path / "o"), "--cluster", str(bad))
     err = [ln for ln in res.stderr.splitlines() if "error" in ln]  # (a local Ray prints a notice of its own)
     assert res.returncode == 2 and len(err) == 1 and f"WAL service 127.0.0.1:{port} unreachable" in err[0], res.stderr
-    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "o" / "config.json").exists(), "refused before the run began (no worker was started)"
