@@ -1,11 +1,14 @@
 """The drill catalog: name -> what it does and the function that runs it. Order is run order (the WAL
-drills fork writer processes, so they run before any Ray worker exists)."""
+drills fork writer processes and learner-kill starts its own Ray in `postrain grpo`, so they run
+before this process starts Ray for the rollout drills). `slow`: left out of the default test suite's
+fast variant (it trains)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from chaos import cache_drill, catalog_drill, disk_drill, rollout_drills, sandbox_drill, wal_drills, wal_service_drill
+from chaos import (cache_drill, catalog_drill, disk_drill, learner_drill, rollout_drills, sandbox_drill, wal_drills,
+                   wal_service_drill)
 from chaos.drill import DrillContext, DrillResult
 
 
@@ -15,6 +18,7 @@ class Drill:
     what: str
     run: Callable[[DrillContext, int], DrillResult]  # (context, faults to inject)
     default_faults: int
+    slow: bool = False
 
 
 def _rollout(name: str) -> Callable[[DrillContext, int], DrillResult]:
@@ -35,6 +39,8 @@ DRILLS = {d.name: d for d in [
           "a returned result exactly once", sandbox_drill.sandbox_kill, 15),
     Drill("teacher-cache-corrupt", "a bit flipped in a teacher hidden-state shard of the OPD cache; the damaged rows "
           "are detected and recomputed, bitwise equal", cache_drill.teacher_cache_corrupt, 60),
+    Drill("learner-kill", "SIGKILL of `postrain grpo` mid-iteration, then --resume; the training metrics equal the "
+          "uninterrupted run's", learner_drill.learner_kill, 2, slow=True),
     Drill("rollout-preempt", "requests preempted to KV snapshots, resumed on the same worker", _rollout("rollout-preempt"), 40),
     Drill("snapshot-corrupt", "preempted, then a bit of every snapshot flipped; re-prefill from the WAL", _rollout("snapshot-corrupt"), 30),
     Drill("snapshot-delete", "preempted, then the snapshots deleted; re-prefill from the WAL", _rollout("snapshot-delete"), 30),

@@ -25,7 +25,7 @@ def run(args) -> int:
     if args.list:
         width = max(map(len, DRILLS))
         for d in DRILLS.values():
-            print(f"{d.name.ljust(width)}  {d.default_faults:4d} faults  {d.what}")
+            print(f"{d.name.ljust(width)}  {d.default_faults:4d} faults per kind  {d.what}")
         return 0
     if args.all == bool(args.names):
         raise UserError("drill: name drills to run, or pass --all (--list shows the catalog)")
