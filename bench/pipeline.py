@@ -24,13 +24,19 @@ from bench._device import run_meta
 GOALS = {"wall_min_cpu": (30.0, "<="), "specialist_gain_min": (0.10, ">="), "retention_min": (0.95, ">=")}
 
 
-def _commit_of(run_dir: Path) -> str | None:
-    """The commit of the checkout that holds `run_dir` (runs/ lives inside the clone that ran it)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=run_dir, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
+def _code_of(run_dir: Path) -> dict:
+    """The commit of the checkout that holds `run_dir` (runs/ lives inside the clone that ran it) and its
+    tracked files changed since that commit."""
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=run_dir, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "changed_files": sorted(line[3:] for line in changed.splitlines()) if changed else []}
 
 
 def figures(report: dict) -> dict:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             fig = figures(report)
         except ValueError as exc:
             raise UserError(f"bench pipeline: {exc}") from None
-        runs.append({"run": str(run_dir), "seed": seed, "commit": _commit_of(run_dir), **fig})
+        runs.append({"run": str(run_dir), "seed": seed, **_code_of(run_dir), **fig})
         if a.copy_reports:
             a.copy_reports.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, a.copy_reports / f"pipeline_seed{seed}.json")
