@@ -26,21 +26,35 @@ def process_cpu_s(pid: int) -> float:
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def git(cwd: str | Path, *args: str) -> str | None:
+    """`git ARGS` in `cwd`, stripped stdout; None where git or the checkout is missing."""
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def run_meta(machine: str | None = None) -> dict:
     """What every benchmark JSON records about its run: git commit (and whether tracked files had
     uncommitted changes), UTC date, machine."""
-    import subprocess
     import time
 
     root = Path(__file__).resolve().parents[1]
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
+    status = git(root, "status", "--porcelain", "--untracked-files=no")
+    return {"commit": git(root, "rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine or cpu_name()}
+
+
+def emit(res: dict, out: Path | None, show: bool = True) -> None:
+    """Print a benchmark's JSON (when `show`) and write it to `out` (when given)."""
+    import json
+
+    text = json.dumps(res, indent=2)
+    if show:
+        print(text)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")

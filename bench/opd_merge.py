@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench._device import cpu_name, run_meta
+from bench._device import cpu_name, emit, run_meta
 
 METHODS = ("opd", "sampled_token", "mixed_grpo")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
@@ -121,11 +121,7 @@ def main(argv: list[str] | None = None) -> int:
            "teacher_pass_at_1": teacher_pass, "runs": runs, "wall_s": round(time.monotonic() - t_start, 1),
            "load_avg_1m_end": round(os.getloadavg()[0], 2), "targets": targets}
     res["meta"] = run_meta(res["device"])
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    emit(res, a.out)
     return 0
 
 

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
-from bench._device import run_meta
+from bench._device import emit, git, run_meta
 
 GOALS = {"wall_min_cpu": (30.0, "<="), "specialist_gain_min": (0.10, ">="), "retention_min": (0.95, ">=")}
 
@@ -27,15 +26,8 @@ GOALS = {"wall_min_cpu": (30.0, "<="), "specialist_gain_min": (0.10, ">="), "ret
 def _code_of(run_dir: Path) -> dict:
     """The commit of the checkout that holds `run_dir` (runs/ lives inside the clone that ran it) and its
     tracked files changed since that commit."""
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=run_dir, capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    changed = git("status", "--porcelain", "--untracked-files=no")
-    return {"commit": git("rev-parse", "HEAD") or None,
+    changed = git(run_dir, "status", "--porcelain", "--untracked-files=no")
+    return {"commit": git(run_dir, "rev-parse", "HEAD") or None,
             "changed_files": sorted(line[3:] for line in changed.splitlines()) if changed else []}
 
 
@@ -93,12 +85,7 @@ def main(argv: list[str] | None = None) -> int:
            "run per pipeline.seed; every target takes the worse run", "runs": runs, "targets": targets(runs)}
     res["meta"] = run_meta()
     res["device"] = res["meta"]["machine"]
-    text = json.dumps(res, indent=2)
-    if a.json:
-        print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    emit(res, a.out, show=a.json)
     return 0
 
 
