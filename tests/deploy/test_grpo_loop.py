@@ -34,13 +34,13 @@ def _seeded(row):
 
 
 def test_grpo_run_raises_eval_pass_at_1(tmp_path, reverse_base):
-    """Subprocess on the shipped loop config (fast batched decode, one-step-off rollouts, 32 prompts × 8,
+    """Subprocess on the shipped loop config with one-step-off rollouts (fast batched decode, 32 prompts × 8,
     4 minibatches per iteration), lr 2e-4 for the 80k-parameter policy: greedy pass@1 on 128 fixed eval
     prompts climbs.
     An unchanged policy evaluates identically (greedy), so any gain is the training's."""
     out = tmp_path / "run"
     sets = ["sampling.max_new_tokens=12", "eval.max_new_tokens=12", "eval.n=128", "learner.device=cpu",
-            "loop.eval_every=10", "optim.lr=2e-4"]
+            "loop.eval_every=10", "optim.lr=2e-4", "loop.async_rollouts=true"]
     res = subprocess.run([sys.executable, "-m", "deploy.cli", "grpo", "--domain", "reverse", "--init", str(reverse_base),
                           "--iterations", "30", "--out", str(out), "--quiet", *(a for kv in sets for a in ("--set", kv))],
                          capture_output=True, text=True, timeout=900, env=ENV)
