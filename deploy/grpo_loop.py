@@ -359,6 +359,7 @@ class GRPOLoop:
         before = self.pool.replacements  # cumulative over the pool's life: report this batch's
         self.sink.start(batch_name(k))
         res = self.pool.run(requests, injector)
+        (self.out / "rollout").mkdir(parents=True, exist_ok=True)
         with open(self.out / "rollout" / "worker_nodes.jsonl", "a") as f:  # where each worker ran (Ray node ids)
             f.write(json.dumps({"iteration": k, "worker_nodes": res.worker_nodes}) + "\n")
         if len(res.finished) != len(requests):
