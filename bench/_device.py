@@ -58,3 +58,16 @@ def emit(res: dict, out: Path | None, show: bool = True) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def drop_page_cache(path) -> None:
+    """Evict a file, or every file under a directory, from the page cache (fsync, then
+    POSIX_FADV_DONTNEED: clean pages go), as on a restart after a reboot or on another host."""
+    p = Path(path)
+    for f in ([p] if p.is_file() else sorted(x for x in p.rglob("*") if x.is_file())):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

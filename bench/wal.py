@@ -36,7 +36,7 @@ import wal
 from wal import codec
 
 from bench._device import cpu_name as device, run_meta  # noqa: E402
-from bench._device import process_cpu_s  # noqa: E402
+from bench._device import drop_page_cache, process_cpu_s  # noqa: E402
 
 
 def _step_arrays(b: int):
@@ -330,19 +330,6 @@ def start_server(directory: Path) -> tuple[subprocess.Popen, str]:
 
 # --- recovery scan --------------------------------------------------------------------------------
 
-def drop_cache(directory: Path) -> None:
-    """Evict a directory's files from the page cache (POSIX_FADV_DONTNEED after fsync: clean pages go),
-    as after a reboot or on a host that did not write the log. Other processes' caches are left alone."""
-    for p in sorted(directory.rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def recovery_scan(d: Path, mb: int, rounds: int) -> dict:
     """Open (read, CRC-check, decode, rebuild the index) a log of `mb` MB, alternately with the page cache
     dropped (cold: a restart on another host, or after a reboot) and warm (just written)."""
@@ -359,7 +346,7 @@ def recovery_scan(d: Path, mb: int, rounds: int) -> dict:
     for r in range(rounds):
         for mode in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
             if mode == "cold":
-                drop_cache(d / "scan")
+                drop_page_cache(d / "scan")
             t0, c0 = time.perf_counter(), time.process_time()
             w = wal.open(d / "scan")
             dt, dc = time.perf_counter() - t0, time.process_time() - c0
