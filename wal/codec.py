@@ -137,6 +137,14 @@ def encode_step_blob(lsn: int, n: int, lens: bytes, ids_blob: bytes, starts: byt
                             ids_blob)), mark)
 
 
+def positions_bytes(positions) -> bytes:
+    """Integer numpy positions as packed little-endian u64 without the range check (a caller that finds
+    them equal to known-good positions needs none; anything else goes through pack_positions)."""
+    if isinstance(positions, np.ndarray) and positions.ndim == 1 and positions.dtype.kind == "i":
+        return positions.astype("<i8", copy=False).tobytes()
+    return pack_positions(positions)
+
+
 def pack_positions(positions) -> bytes:
     """Positions (ints, numpy integers) -> packed little-endian u64; floats, negatives and bytes refused."""
     if isinstance(positions, (bytes, bytearray, memoryview, str)):
@@ -455,7 +463,7 @@ def pack_logprobs(logprobs, n: int) -> bytes:
         raise CodecError(f"logprobs must be one-dimensional, got shape {arr.shape}")
     if arr.size != n:
         raise CodecError(f"got {arr.size} logprobs for {n} tokens; there must be one per token")
-    if n and np.isnan(arr).any():
+    if n and np.isnan(arr.sum()) and np.isnan(arr).any():  # one reduction in the common case (a NaN makes the sum NaN)
         raise CodecError("logprobs contain NaN")
     return arr.tobytes()
 

@@ -169,7 +169,7 @@ class Store:
         if len(tok) // 4 != n or len(positions) != n:
             raise codec.CodecError(f"append_step: {n} trajectory ids, {len(positions)} positions, {len(tok) // 4} tokens; "
                                    f"there must be one of each per trajectory")
-        starts = codec.pack_positions(positions)
+        starts = codec.positions_bytes(positions)  # checked below unless they are the group's next positions
         if type(policy_version) is not int:
             policy_version = _index(policy_version, "policy_version")
         if policy_version < 0:
@@ -189,6 +189,7 @@ class Store:
             if big:
                 self.log.commit()
             return
+        starts = codec.pack_positions(positions)  # the range check the fast path did not need
         if len(set(traj_ids)) != n:  # a trajectory twice in one step: do it item by item, in order
             for i in range(n):
                 self.append_tokens(traj_ids[i], positions[i], np.frombuffer(tok[i * 4:i * 4 + 4], codec.TOKEN_DTYPE),
