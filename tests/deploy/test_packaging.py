@@ -89,4 +89,4 @@ def test_dockerfile_pins_cuda_torch_and_installs_the_project():
     assert re.search(r'pip install -e "\.\[postgres\]"', text)
     copied = set(re.findall(r"^COPY (\w+) \1$", text, re.M))
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
-    assert packages | {"configs"} <= copied, f"not in the image: {packages | {'configs'} - copied}"
+    assert packages | {"configs"} <= copied, f"not in the image: {(packages | {'configs'}) - copied}"
