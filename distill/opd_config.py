@@ -19,7 +19,11 @@ class OPDConfig(Config):
     clip_eps: float = Field(0.2, ge=0.0, lt=1.0, description="ratio clip of the sampled_token loss")
     cache_dtype: Literal["bfloat16", "float32"] = Field("bfloat16", description="dtype of cached teacher hidden states")
     kl_chunk_tokens: int = Field(0, ge=0, le=1 << 20, description="token chunk of the KL kernel; 0 = from the vocabulary size")
-    prefetch: bool = Field(True, description="read the next teacher head and hidden states while the current ones train")
+    prefetch: bool = Field(True, description="read the next teacher head and hidden states while the current ones train, "
+                                             "and copy the next head to the device during the student's trunk backward")
+    host_head_cache_gib: float = Field(16.0, ge=0.0, le=4096.0,
+                                       description="host memory per learner rank (pinned on CUDA) that keeps teacher heads "
+                                                   "once read from storage; a head that does not fit is read for each load")
     teacher_workers: int = Field(1, ge=0, le=1024, description="teacher prefill Ray actors; 0 = in the driver's process")
     teacher_cpus: float = Field(0.0, ge=0, le=1024, description="Ray CPUs each teacher actor reserves (0: shares the machine)")
     teacher_gpus: float = Field(0.0, ge=0, le=64, description="Ray GPUs each teacher actor reserves")

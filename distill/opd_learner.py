@@ -6,9 +6,13 @@ w_i / sum of its domain's weights).
 
 A step over this rank's share of minibatch m: its segments, grouped by teacher (the plan orders them
 so), are loaded teacher by teacher with the cached teacher hidden states, the next group read in the
-background while the current one trains. For each group: student forward -> hidden states after the
-final norm -> the loss against that teacher's head, which `HeadScheduler` keeps as the only teacher
-head on the device and loads once per minibatch -> backward. Gradients are accumulated unnormalised
+background (and made ready for the device: `opd_batches.prepare`) while the current one trains. For
+each micro-batch of a group: the student's trunk forward -> hidden states h after the final norm -> the
+loss against that teacher's head on a detached copy of h, and its backward -> the trunk's backward from
+h's gradient. `HeadScheduler` keeps the teacher's head as the only one on the device and loads it once
+per minibatch; the head is needed only by the loss, so as soon as a group's last loss backward is done
+it is dropped and the next head (the next group's, or the next minibatch's first) copies to the device
+while the trunk's backward and the next trunk forward run. Gradients are accumulated unnormalised
 and divided by the step's global count of loss positions once every rank is done (all-reduced with
 the counts), so the update does not depend on how the minibatch was split across ranks or groups.
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -27,6 +31,7 @@ import torch
 from distill import opd_loss
 from distill.cache import FIELD, CacheMismatch
 from distill.heads import HeadScheduler
+from distill.opd_batches import Part, prepare, to_device
 from distill.opd_config import OPDTrainConfig
 from distill.teachers import Teacher
 from learner.optim import Optimised
@@ -51,22 +56,18 @@ def teacher_groups(plan, minibatch: int, rank: int) -> list[tuple[str, object]]:
     return out
 
 
+def _rows_key(sub, tokens_hash: dict[str, str]) -> tuple:
+    """What a one-group plan reads: the store, each segment's row, range and the tokens it must hold."""
+    traj = sub.seg_traj
+    return (sub.store_root, tuple(sub.ids[traj].tolist()), tuple(sub.seg_start.tolist()), tuple(sub.seg_stop.tolist()),
+            tuple(sub.shard_paths[i] for i in sub.shard[traj].tolist()), tuple(sub.row[traj].tolist()),
+            tuple(tokens_hash.get(str(r)) for r in sub.ids[traj].tolist()))
+
+
 def _load(sub) -> object:
     import dataplane
 
     return next(iter(dataplane.loader(sub, rank=0, minibatches=[0], prefetch=0, extras=[FIELD])))
-
-
-def _micro(batch, budget: int) -> list[slice]:
-    """Token slices of `batch` at sequence boundaries, each at most `budget` tokens (a longer one alone)."""
-    cu = batch.cu_seqlens.tolist()
-    out, first = [], 0
-    for k in range(1, len(cu)):
-        if cu[k] - cu[first] > budget and k - 1 > first:
-            out.append(slice(cu[first], cu[k - 1]))
-            first = k - 1
-    out.append(slice(cu[first], cu[-1]))
-    return out
 
 
 class OPDLearner(Optimised):
@@ -85,6 +86,9 @@ class OPDLearner(Optimised):
         self.heads: HeadScheduler | None = None
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" and cfg.learner.bf16
                          else contextlib.nullcontext())
+        # One thread reads teacher groups ahead (the next group; in a step's last group the next step's first).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-load") if cfg.opd.prefetch else None
+        self._ahead: tuple[tuple, Future] | None = None
 
     def set_teachers(self, rank: int, teachers: list[Teacher]) -> None:
         del rank
@@ -96,7 +100,8 @@ class OPDLearner(Optimised):
             per_domain[t.domain] = per_domain.get(t.domain, 0.0) + t.weight
         self._share = {t.name: t.weight / per_domain[t.domain] for t in teachers}
         head_dtype = self.model.get_output_embeddings().weight.dtype
-        self.heads = HeadScheduler(self.teachers, self.device, dtype=head_dtype, prefetch=self.cfg.opd.prefetch)
+        self.heads = HeadScheduler(self.teachers, self.device, dtype=head_dtype, prefetch=self.cfg.opd.prefetch,
+                                   host_budget_bytes=int(self.cfg.opd.host_head_cache_gib * 2**30))
 
     # -- the step ------------------------------------------------------------------------------------
     def plan_step(self, rank: int, plan, minibatch: int, tokens_hash: dict[str, str]) -> dict[str, float]:
@@ -104,112 +109,143 @@ class OPDLearner(Optimised):
         hash of the tokens each cache row must hold (checked against the loaded tokens)."""
         t0 = time.perf_counter()
         metrics = self.accumulate_gradients(rank, plan, minibatch, tokens_hash)
+        return metrics | self.apply_update() | {"step_time_s": time.perf_counter() - t0}
+
+    def apply_update(self) -> dict[str, float]:
+        """Clip, step the optimizer and the schedule, clear the gradients."""
         grad_norm = self.clip()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return metrics | {"grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0], "step": self.step,
-                          "step_time_s": time.perf_counter() - t0}
+        return {"grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0], "step": self.step}
 
     def accumulate_gradients(self, rank: int, plan, minibatch: int, tokens_hash: dict[str, str]) -> dict[str, float]:
         """Backward of every teacher group of this rank's share; leaves the step's gradients (all ranks,
         normalised by the global loss positions) in `.grad`; returns the step's metrics."""
-        from rollout.types import token_hash
-
         if self.heads is None:
             raise RuntimeError("OPD learner: set_teachers before plan_step")
-        opd = self.cfg.opd
-        names = sorted(self.teachers)
-        T = len(names)  # sums: positions, tokens, weighted loss, then per teacher its KL sum and positions
-        sums = torch.zeros(3 + 2 * T, dtype=torch.float64)
-        loads_before = self.heads.loads
-        W_s = self.model.get_output_embeddings().weight
         groups = teacher_groups(plan, minibatch, rank)
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opd-load") if opd.prefetch else None
+        for name, _ in groups:
+            if name not in self.teachers:
+                raise CacheMismatch(f"cache rows name teacher {name!r}, not one of this run's {sorted(self.teachers)}")
+        following = None  # the first teacher of this rank's next minibatch: its head is copied ahead
+        nxt = teacher_groups(plan, minibatch + 1, rank) if minibatch + 1 < plan.num_minibatches else []
+        if nxt:
+            following = nxt[0][0]
+        budget, pin = self.cfg.learner.micro_batch_tokens, self.device.type == "cuda"
+        prep = lambda sub: prepare(_load(sub), tokens_hash, budget, pin)  # noqa: E731
+        futs: list[Future | None] = [None] * len(groups)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and groups and ahead[0] == _rows_key(groups[0][1], tokens_hash):
+            futs[0] = ahead[1]  # read during the previous step
+
+        def fetch(j: int) -> list[Part]:
+            if self._pool is None:
+                return prep(groups[j][1])
+            if futs[j] is None:
+                futs[j] = self._pool.submit(prep, groups[j][1])
+            if j + 1 < len(groups) and futs[j + 1] is None:
+                futs[j + 1] = self._pool.submit(prep, groups[j + 1][1])
+            elif j + 1 == len(groups) and nxt:  # the next minibatch's first group, read during this step's last
+                self._ahead = (_rows_key(nxt[0][1], tokens_hash), self._pool.submit(prep, nxt[0][1]))
+            return futs[j].result()
+
         try:
-            fut = (pool.submit(_load, groups[0][1]) if pool else None) if groups else None
-            for j, (name, sub) in enumerate(groups):
-                batch = fut.result() if pool else _load(sub)
-                if pool and j + 1 < len(groups):
-                    fut = pool.submit(_load, groups[j + 1][1])
-                if name not in self.teachers:
-                    raise CacheMismatch(f"cache rows name teacher {name!r}, not one of this run's {names}")
-                self._check_rows(batch, tokens_hash, token_hash)
-                teacher = self.teachers[name]
-                nxt = groups[j + 1][0] if j + 1 < len(groups) else None
-                with self.heads.resident(name, then=nxt) as W_t:
-                    for part in _micro(batch, self.cfg.learner.micro_batch_tokens):
-                        n, kl_sum, loss_sum = self._group_backward(batch, part, W_s, W_t, teacher.weight)
-                        i = names.index(name)
-                        sums[0] += n * self._share[name]  # a position scored by several teachers counts once
-                        sums[1] += part.stop - part.start
-                        sums[2] += loss_sum
-                        sums[3 + i] += kl_sum
-                        sums[3 + T + i] += n
-                    del W_t
-            self.heads.release()
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+            loads_before = self.heads.loads
+            sums = self.train_groups([name for name, _ in groups], fetch, self.heads, following)
+        except BaseException:
+            self._ahead = None
+            for f in futs:  # nothing of a failed step is read on
+                if f is not None:
+                    f.cancel()
+            raise
+        return self.finish_gradients(sums, self.heads, self.heads.loads - loads_before)
+
+    def train_groups(self, names: list[str], fetch, heads, following: str | None = None) -> torch.Tensor:
+        """Backward of the teacher groups `names` (group j's micro-batches from `fetch(j)`), teacher heads
+        from `heads`; returns the step's local sums (positions, tokens, loss, per teacher KL and positions).
+
+        Each micro-batch: the student's trunk forward -> hidden states h; the loss against the
+        teacher's head on a detached copy of h, and its backward (gradients of h and of the student's
+        head); then the trunk's backward from h's gradient. After the loss of a group's last
+        micro-batch the teacher head is no longer needed: it is dropped and the next group's head
+        (after the last group: `following`, the next minibatch's first) starts copying to the device,
+        while the trunk's backward and the next trunk forward run."""
+        T = len(self.teachers)
+        order = sorted(self.teachers)
+        sums = torch.zeros(3 + 2 * T, dtype=torch.float64)
+        dev_sums = torch.zeros(2 + T, dtype=torch.float64, device=self.device)  # loss, then per teacher KL
+        W_s = self.model.get_output_embeddings().weight
+        for name in dict.fromkeys(names):
+            heads.stage(name)  # host reads in order, in the background
+        if names:
+            heads.swap(names[0])  # (already on its way when the previous step copied it ahead)
+        for j, name in enumerate(names):
+            parts = fetch(j)
+            after = names[j + 1] if j + 1 < len(names) else following
+            i, weight = order.index(name), self.teachers[name].weight
+            for k, host_part in enumerate(parts):
+                part = to_device(host_part, self.device, heads.stream)
+                h = None
+                if part.n:
+                    with self.autocast:
+                        h = self.core.hidden(part.ids_N, part.pos_N, part.cu_S1, part.max_len)
+                    h_d = h.detach().requires_grad_()
+                    with heads.resident(name) as W_t:
+                        if part.ready is not None:
+                            torch.cuda.current_stream(self.device).wait_event(part.ready)
+                        loss, kl_sum = self._head_loss(h_d, part, W_s, W_t, weight)
+                        loss.backward()
+                        del W_t
+                    dev_sums[0] += loss.detach().double()
+                    dev_sums[2 + i] += kl_sum.double()
+                    del loss, kl_sum
+                    sums[0] += part.n * self._share[name]  # a position scored by several teachers counts once
+                    sums[3 + T + i] += part.n
+                sums[1] += part.tokens
+                if k == len(parts) - 1:
+                    heads.swap(after)  # this head's last use is over; the next copies during the trunk's backward
+                if h is not None:
+                    h.backward(h_d.grad)
+                    del h, h_d
+        sums[2] = float(dev_sums[0])
+        sums[3:3 + T] = dev_sums[2:].cpu()
+        return sums
+
+    def finish_gradients(self, sums: torch.Tensor, heads, loads: int) -> dict[str, float]:
+        """All-reduce the sums and the gradients, normalise by the global positions; the step's metrics
+        (`loads`: heads this rank loaded in the step)."""
+        names = sorted(self.teachers)
+        T = len(names)
         self.coll.all_reduce_sum(sums)
         n_global = max(float(sums[0]), 1.0)
         self._reduce_and_scale(1.0 / n_global)
-        loads = torch.tensor([self.heads.loads - loads_before, self.heads.max_resident], dtype=torch.float64)
+        loads = torch.tensor([loads, heads.max_resident], dtype=torch.float64)
         self.coll.all_reduce_sum(loads)
         metrics = {"loss_positions": float(sums[0]), "tokens": float(sums[1]), "loss": float(sums[2]) / n_global,
                    "kl": float(sums[3:3 + T].sum()) / n_global, "head_loads": float(loads[0]),
-                   "max_resident_heads": float(self.heads.max_resident)}
+                   "max_resident_heads": float(heads.max_resident)}
         for i, name in enumerate(names):
             if sums[3 + T + i] > 0:
                 metrics[f"kl_{name}"] = float(sums[3 + i] / sums[3 + T + i])
                 metrics[f"positions_{name}"] = float(sums[3 + T + i])
         return metrics
 
-    def _check_rows(self, batch, tokens_hash: dict[str, str], token_hash) -> None:
-        cu = batch.cu_seqlens.tolist()
-        for k, row in enumerate(batch.traj_ids):
-            if int(batch.seg_start[k]) != 0 or int(batch.seg_stop[k]) != int(batch.traj_length[k]):
-                raise ValueError(f"cache row {row!r} was split by the plan; plan OPD minibatches with "
-                                 "tokens_per_rank >= the longest trajectory")
-            want = tokens_hash.get(row)
-            if want is None:
-                raise CacheMismatch(f"cache row {row!r} is not in this step's checked records")
-            got = token_hash(batch.input_ids[cu[k]:cu[k + 1]].tolist())
-            if got != want:
-                raise CacheMismatch(f"cache row {row!r}: other tokens: its tokens hash to {got}, its record says "
-                                    f"{want}; refusing to train on it")
-
-    def _group_backward(self, batch, part: slice, W_s, W_t, weight: float) -> tuple[int, float, float]:
-        """Backward of one teacher's micro-batch; returns (loss positions, sum of their KL, weighted loss sum)."""
+    def _head_loss(self, h_NH, part: Part, W_s, W_t, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weighted loss, sum of the KL it estimates) of one micro-batch against one teacher head."""
         opd = self.cfg.opd
-        ids, pos = batch.input_ids[part].to(self.device), batch.position_ids[part].to(self.device)
-        mask = batch.loss_mask[part].to(self.device)
-        starts = torch.nonzero(pos == 0).flatten()
-        cu = torch.cat([starts, starts.new_tensor([len(pos)])])
-        P = opd_loss.prediction_positions(mask)
-        n = int(P.sum())
-        if n == 0:
-            return 0, 0.0, 0.0
-        h_t = batch.extras[FIELD][part].to(self.device)[P]
-        with self.autocast:
-            h_s = self.core.hidden(ids, pos, cu, int(cu.diff().max()))
-        h_s = h_s[P].to(W_s.dtype)
-        coef = torch.full((n,), float(weight), dtype=torch.float32, device=self.device)
+        h_s = h_NH.index_select(0, part.idx_P).to(W_s.dtype)
+        coef = torch.full((part.n,), float(weight), dtype=torch.float32, device=self.device)
         if opd.loss == "full_vocab":
-            loss = opd_loss.full_vocab_kl(h_s, W_s, h_t, W_t, coef, opd.temperature, opd.kl_chunk_tokens or None)
-            kl_sum = float(loss.detach()) / weight
-        else:
-            nxt = torch.roll(ids, -1)[P]
-            behaviour = torch.roll(batch.logprobs[part].to(self.device).float(), -1)[P]
-            teacher_lp = opd_loss.teacher_token_logprobs(h_t, W_t, nxt, opd.temperature)
-            from learner.grpo_loss import logprobs_from_hidden
+            loss = opd_loss.full_vocab_kl(h_s, W_s, part.h_t_PH, W_t, coef, opd.temperature, opd.kl_chunk_tokens or None)
+            return loss, loss.detach().double() / weight
+        teacher_lp = opd_loss.teacher_token_logprobs(part.h_t_PH, W_t, part.next_P, opd.temperature)
+        from learner.grpo_loss import logprobs_from_hidden
 
-            logp = logprobs_from_hidden(h_s / opd.temperature, W_s, nxt, self.cfg.learner.logprob_chunk_rows)[0]
-            loss, k1 = opd_loss.sampled_token_pg(logp.float(), behaviour, teacher_lp, coef, opd.clip_eps)
-            kl_sum = float(k1.sum())
-        loss.backward()
-        return n, kl_sum, float(loss.detach())
+        logp = logprobs_from_hidden(h_s / opd.temperature, W_s, part.next_P, self.cfg.learner.logprob_chunk_rows)[0]
+        loss, k1 = opd_loss.sampled_token_pg(logp.float(), part.behaviour_P, teacher_lp, coef, opd.clip_eps)
+        return loss, k1.sum()
 
     def _reduce_and_scale(self, scale: float) -> None:
         params = [p for p in self.model.parameters() if p.requires_grad]
