@@ -18,7 +18,7 @@ def _learner(student, teachers, device):
     model, _ = load_policy(student)
     cfg = OPDTrainConfig.model_validate({"learner": {"device": device, "threads": 1, "micro_batch_tokens": 40,
                                                      "bf16": False},
-                                         "optim": {"lr": 1e-3, "adam_eps": 1e-2}, "opd": {"kl_chunk_tokens": 8}})
+                                         "optim": {"lr": 1e-3, "adam_eps": 1e-2}})
     learner = OPDLearner(model, cfg)
     learner.set_teachers(0, teachers)
     return learner
