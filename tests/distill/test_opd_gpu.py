@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _learner(student, teachers, device):
     model, _ = load_policy(student)
-    cfg = OPDTrainConfig.model_validate({"learner": {"device": device, "threads": 1, "micro_batch_tokens": 40,
-                                                     "bf16": False},
+    cfg = OPDTrainConfig.model_validate({"learner": {"device": device, "threads": 1, "micro_batch_tokens": 40},
                                          "optim": {"lr": 1e-3, "adam_eps": 1e-2}})
     learner = OPDLearner(model, cfg)
     learner.set_teachers(0, teachers)
@@ -36,14 +35,17 @@ def test_cuda_steps_equal_the_cpu_steps_with_one_head_on_the_device(case):
     cpu, gpu = _learner(student, teachers, "cpu"), _learner(student, teachers, "cuda")
     got = gpu.accumulate_gradients(0, plan, 0, rows)
     want = cpu.accumulate_gradients(0, plan, 0, rows)
-    assert got["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    # The trunk runs under bf16 autocast on CUDA (flash attention): bf16 tolerances. A copy not waited
+    # for (a head or hidden states read before they arrived) would be off by far more.
+    assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
     for (k, p), q in zip(gpu.model.named_parameters(), cpu.model.parameters()):
-        torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-3, atol=1e-6, msg=k)
+        err = float((p.grad.cpu() - q.grad).norm() / q.grad.norm().clamp_min(1e-12))
+        assert err < 5e-2, (k, err)
     gpu.apply_update(), cpu.apply_update()
     with recording() as rec:
         for m in range(1, plan.num_minibatches):
             got, want = gpu.plan_step(0, plan, m, rows), cpu.plan_step(0, plan, m, rows)
-            assert got["loss"] == pytest.approx(want["loss"], rel=1e-3) and got["head_loads"] == want["head_loads"]
+            assert got["loss"] == pytest.approx(want["loss"], rel=2e-2) and got["head_loads"] == want["head_loads"]
     live = live_max(rec["snapshot"], "distill/heads.py", "_copy_to_device")
     assert live["allocations"] > 0 and live["max_live_blocks"] == 1, live
     assert gpu.heads.max_resident == 1
