@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._device import cpu_name, run_meta
+from bench._device import cpu_name, emit, run_meta
 
 SHAPE_GPU = {"V": 129_280, "H": 4_096, "teachers": 4, "minibatches": 4, "tokens": 16_384, "row": 512,
              "trunk_layers": 4, "intermediate": 12_288, "attention_heads": 32, "kv_heads": 8}
@@ -337,11 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     res = run(max(1, a.rounds))
     res["meta"] = run_meta(res.get("device"))
-    text = json.dumps(res, indent=2)
-    print(text)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text + "\n")
+    emit(res, a.out)
     return 0
 
 
