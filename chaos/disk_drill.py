@@ -121,6 +121,8 @@ def _drill(ctx: DrillContext, n: int, res: DrillResult, mnt) -> None:
         lost, resampled = audit(log_dir, acked, finalized)
         w = wal.open(log_dir, wal.WALConfig(**WAL_CONFIG))
         live = {t: w.length(t) for t in w.trajectories()}
+        if not live:  # every live trajectory was finalized and the new ones never reached the disk
+            live[f"t-{next_id}"], next_id = 0, next_id + 1
         traj = sorted(live)[0]
         live[traj] = _append(w, traj, live[traj], 4)  # writing resumes after the last committed token
         w.commit()

@@ -1,6 +1,7 @@
 """PoolInjector: drives a RolloutPool's hooks from outside on a seeded schedule and times each recovery.
 
-The pool calls the injector after every round of collected worker calls (`RolloutPool.run(observer=)`).
+The pool calls the injector in every round, once each worker has its call running
+(`RolloutPool.run(observer=)`): a kill lands in a running call, a preemption after it.
 Each fault waits its gap in rounds, then fires on a worker that holds requests in flight:
 
     preempt           `pool.preempt(k)`: the worker snapshots the KV of its requests and resumes them
@@ -57,6 +58,7 @@ class PoolInjector:
         self._wait = self._pending[0].gap if self._pending else 0
         self._t0 = None
         self._rng = random.Random(self.seed)
+        self._killed: dict[int, int] = {}  # slot -> incarnation a kill hit
 
     @property
     def asked(self) -> int:
@@ -79,7 +81,9 @@ class PoolInjector:
             return
         f = self._pending[0]
         n = len(pool.slots)
-        slot = next((k % n for k in range(f.slot, f.slot + n) if pool.in_flight(k % n)), None)
+        # a worker killed and not yet replaced is not a target: a second kill there would change nothing
+        slot = next((k % n for k in range(f.slot, f.slot + n)
+                     if pool.in_flight(k % n) and self._killed.get(k % n) != pool.incarnation(k % n)), None)
         if slot is None:
             return  # nothing in flight anywhere this round: the fault waits
         if self.wait_for_spare and f.kind not in PREEMPTIONS and pool.spares and not pool.warm_spares():
@@ -88,6 +92,8 @@ class PoolInjector:
         hit = self._inject(pool, f.kind, slot)
         if not hit:
             return
+        if f.kind not in PREEMPTIONS:
+            self._killed[slot] = pool.incarnation(slot)
         if f.kind in PREEMPTIONS:  # a preemption takes effect once the worker has stopped the requests
             now = self.clock()
         self.events.append(FaultEvent(f.kind, slot, round(now - self._t0, 6), {t: pool.seen(t) for t in hit},
@@ -145,7 +151,8 @@ class PoolInjector:
         spare = f" ({self.spare_waits} rounds a kill waited for a warm spare)" if self.spare_waits else ""
         return (f"injected {self.injected} of {self.asked} faults: the run ended after {self.rounds} pool rounds "
                 f"with {dict(left)} still waiting for requests in flight{spare}; give the run more work "
-                f"(more episodes or longer completions) or ask for fewer faults")
+                f"(more episodes or longer completions), lower pool.steps_per_call (a call that finishes its "
+                f"requests leaves nothing to preempt) or ask for fewer faults")
 
     def summary(self) -> dict:
         by_kind = Counter(e.kind for e in self.events)

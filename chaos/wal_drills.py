@@ -57,6 +57,9 @@ def writer(directory: str, seed: int, out, config: dict, max_acks: int | None = 
         acks += 1
         out.write("A " + " ".join(f"{t}:{k}" for t, k in sorted(live.items())) + "\n")
         done = [t for t, k in live.items() if k > 300]
+        if done:  # intent first: from here on each finalize may or may not be durable
+            out.write("".join(f"f {t}\n" for t in done))
+            out.flush()
         for t in done:
             w.finalize(t)
             del live[t]
@@ -68,8 +71,11 @@ def writer(directory: str, seed: int, out, config: dict, max_acks: int | None = 
     return live
 
 
-def audit(directory: str | Path, acked: dict[str, int], finalized: set[str]) -> tuple[int, int]:
-    """(tokens lost, tokens re-sampled) of a log against what was acknowledged; opens and closes it."""
+def audit(directory: str | Path, acked: dict[str, int], finalized: set[str],
+          finalizing: frozenset[str] = frozenset()) -> tuple[int, int]:
+    """(tokens lost, tokens re-sampled) of a log against what was acknowledged; opens and closes it.
+    `finalizing`: trajectories whose finalize had begun at the kill (it may have become durable, and the
+    log may have reclaimed their records and forgotten them since)."""
     lost = resampled = 0
     w = wal.open(directory)
     try:
@@ -79,7 +85,11 @@ def audit(directory: str | Path, acked: dict[str, int], finalized: set[str]) -> 
             try:
                 got = w.tokens(traj)
             except wal.FinalizedError:
-                continue  # its finalize became durable before the kill: that is allowed
+                if traj not in finalizing:
+                    lost += n  # finalized although nobody asked: its acknowledged tokens are gone
+                continue  # else its finalize became durable before the kill: that is allowed
+            if not got and traj in finalizing:
+                continue  # finalized, reclaimed and forgotten
             lost += max(0, n - len(got))
             resampled += sum(1 for p, t in enumerate(got) if t != token(traj, p))
     finally:
@@ -87,13 +97,15 @@ def audit(directory: str | Path, acked: dict[str, int], finalized: set[str]) -> 
     return lost, resampled
 
 
-def _read_acks(line: str, acked: dict[str, int], finalized: set[str]) -> None:
+def _read_acks(line: str, acked: dict[str, int], finalized: set[str], finalizing: set[str] | None = None) -> None:
     if line.startswith("A "):
         for item in line.split()[1:]:
             t, k = item.rsplit(":", 1)
             acked[t] = max(acked.get(t, 0), int(k))
     elif line.startswith("F "):
         finalized.add(line.split()[1])
+    elif line.startswith("f ") and finalizing is not None:
+        finalizing.add(line.split()[1])
 
 
 def wal_kill(ctx: DrillContext, n: int) -> DrillResult:
@@ -102,6 +114,7 @@ def wal_kill(ctx: DrillContext, n: int) -> DrillResult:
     res = DrillResult("wal-kill", {"wal_sigkill": n})
     acked: dict[str, int] = {}
     finalized: set[str] = set()
+    finalizing: set[str] = set()
     t0 = time.monotonic()
     for trial in range(n):
         r, wfd = os.pipe()
@@ -124,16 +137,16 @@ def wal_kill(ctx: DrillContext, n: int) -> DrillResult:
                 if not line:
                     break
                 seen += line.startswith("A ")
-                _read_acks(line, acked, finalized)
+                _read_acks(line, acked, finalized, finalizing)
             time.sleep(rng.random() * 0.002)  # land anywhere in the next append, commit, roll or finalize
         finally:
             t_kill = time.monotonic()
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             for line in pipe:  # acknowledgements written before the kill still count
-                _read_acks(line, acked, finalized)
+                _read_acks(line, acked, finalized, finalizing)
             pipe.close()
-        lost, resampled = audit(directory, acked, finalized)
+        lost, resampled = audit(directory, acked, finalized, frozenset(finalizing))
         t_back = time.monotonic()
         res.tokens_lost += lost
         res.tokens_resampled += resampled

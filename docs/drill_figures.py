@@ -37,7 +37,9 @@ def render(r: dict) -> str:
                      f"{d['tokens_resampled']} / {d['duplicate_side_effects']} | {comp} | {hashes} | "
                      f"{_t(d['recovery_p50_s'])} / {_t(d['recovery_p99_s'])} | {over} | {d['verdict']} |")
     g = r.get("grpo_chaos_vs_calm")
-    if g:
+    if g and "error" in g:
+        lines += ["", f"GRPO arith calm vs one fault per iteration: not measured ({g['error'].strip().splitlines()[-1]})."]
+    elif g:
         lines += ["", f"GRPO arith, {g['iterations']} iterations each side, one fault per iteration ({g['faults']} in all): "
                       f"median iteration {g['calm_median_s']:.2f} s calm, {g['chaos_median_s']:.2f} s under faults "
                       f"(ratio {g['ratio']:.2f})."]

@@ -174,8 +174,8 @@ class RolloutPool:
 
     # -- the run loop -------------------------------------------------------------------------
     def run(self, requests: list[Request], observer=None) -> PoolResult:
-        """Roll out `requests`; `observer(pool)`, when given, is called after every round of collected calls
-        (a drill injects its faults from there, through the hooks below)."""
+        """Roll out `requests`; `observer(pool)`, when given, is called in every round once each worker has
+        its call running (a drill injects its faults from there, through the hooks below)."""
         t0 = time.monotonic()
         for i, r in enumerate(requests):
             self.slots[i % len(self.slots)].backlog.append(r)
@@ -187,15 +187,17 @@ class RolloutPool:
             for s in self.slots:
                 if s.ref is None:
                     self._call(s)
+            if observer is not None:
+                observer(self)
             refs = [s.ref for s in self.slots if s.ref is not None]
+            if not refs:  # the observer collected every call (a preemption): start the next ones
+                continue
             ready, _ = self.ray.wait(refs, num_returns=1, timeout=self.cfg.call_timeout_s)
             if not ready:
                 raise RuntimeError(f"rollout pool: no worker answered in {self.cfg.call_timeout_s}s")
             for s in self.slots:
                 if s.ref is not None and s.ref in ready:
                     self._settle(s)
-            if observer is not None and len(self._done) < len(self._want):
-                observer(self)
         self._flush_acks()
         counters = self.counters()
         lost = 0
