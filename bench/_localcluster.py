@@ -143,7 +143,7 @@ class LocalCluster:
                 roots += [i.process.pid for i in infos if i.process is not None]
         return sorted(set(roots) | {d for r in roots for d in descendants(r)})
 
-    def _wait_for_jobs_api(self, timeout_s: float = 120.0) -> None:
+    def _wait_for_jobs_api(self, timeout_s: float = 300.0) -> None:
         """Until the head's job agent takes a job: the dashboard answers before its agent has registered
         ("No available agent to submit job"), so a trivial job is submitted until one runs to the end."""
         from ray.job_submission import JobStatus, JobSubmissionClient

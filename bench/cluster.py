@@ -5,9 +5,9 @@ node-loss recovery, WAL streams one service holds.
 
 - two_nodes_vs_one_node_tokens_s: rollout tokens/s with the workers spread over the two worker nodes
   and the WAL over gRPC (a log service actor on the head node), divided by the tokens/s of the same
-  worker count on one node (the embedded local Ray) with in-process WALs. Same requests, seed,
-  model and worker count on both sides; rounds alternate the order; median of each side over the
-  rounds; tokens/s counts committed sampled tokens over the pool's run (actor start-up excluded).
+  worker count on one node (the cluster with one worker node) with in-process WALs. Same requests,
+  seed, model and worker count on both sides; rounds alternate the order; median of each side over
+  the rounds; tokens/s counts committed sampled tokens over the pool's run (actor start-up excluded).
 - node_loss_recovery_s: a worker node is killed (SIGKILL of its raylet and every process under it)
   while its worker holds trajectories with committed tokens; recovery ends when the replacement
   worker on a surviving node has run those trajectories again (its first call came back). Median
@@ -77,22 +77,17 @@ def _tokens_s(res) -> float:
     return res.counters["tokens_committed"] / res.wall_s
 
 
-def one_node(ckpt: Path, work: Path) -> tuple[float, dict]:
-    """The embedded default: a local Ray, workers on this one node, in-process WALs."""
-    import ray
-
-    from rollout.ray_cluster import init_ray
-
-    init_ray(None, num_cpus=WORKERS)
-    try:
-        _, res = _run_pool(ckpt, work, _pool_cfg())
-    finally:
-        ray.shutdown()
-    return _tokens_s(res), {t: f.token_hash for t, f in res.finished.items()}
+def _nodes(cluster: LocalCluster, n: int) -> None:
+    """Exactly `n` worker nodes (nodes removed are killed; new ones start fresh)."""
+    while len(cluster.workers) > n:
+        cluster.remove_worker(len(cluster.workers) - 1)
+    while len(cluster.workers) < n:
+        cluster.add_worker()
 
 
-def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None):
-    """Workers SPREAD over the worker nodes (1 CPU each), WAL a service actor on the head node."""
+def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool, watch=None):
+    """A rollout on the cluster: 2 workers of 1 CPU each, SPREAD; the WAL a service actor on the head node, or
+    (wal_service False) in-process logs in the run directory."""
     import ray
 
     from rollout.ray_cluster import init_ray
@@ -102,7 +97,7 @@ def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None):
     services = Services()
     os.environ["POSTRAIN_WAL_TOKEN"] = "bench-cluster"
     try:
-        addr = services.start_wal(work / "wal", 1, cluster.head_node_id, "bench-cluster")[0]
+        addr = services.start_wal(work / "wal-service", 1, cluster.head_node_id, "bench-cluster")[0] if wal_service else ""
         pool, res = _run_pool(ckpt, work, _pool_cfg(worker_cpus=1, worker_strategy="SPREAD", wal_addr=addr), watch)
     finally:
         services.close()
@@ -111,26 +106,29 @@ def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None):
     return pool, res
 
 
+def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None):
+    return _on_cluster(cluster, ckpt, work, True, watch)
+
+
 def placement(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int) -> dict:
+    """One node: the cluster with a single worker node (both workers on it), in-process WALs. Two nodes: two
+    worker nodes (one worker on each), the WAL over gRPC. Alternating order, same requests."""
     one, two, hashes = [], [], []
     for r in range(rounds):
-        order = ("one", "two") if r % 2 == 0 else ("two", "one")
-        for side in order:
-            if side == "one":
-                tps, h = one_node(ckpt, work / f"one-{r}")
-                one.append(tps)
-            else:
-                pool, res = two_nodes(cluster, ckpt, work / f"two-{r}")
-                nodes = {ids[-1] for ids in res.worker_nodes.values()}
-                if nodes != set(cluster.worker_node_ids):
-                    raise RuntimeError(f"the workers ran on {nodes}, not on both worker nodes")
-                two.append(_tokens_s(res))
-                h = {t: f.token_hash for t, f in res.finished.items()}
-            hashes.append(h)
+        for side in (("one", "two") if r % 2 == 0 else ("two", "one")):
+            _nodes(cluster, 1 if side == "one" else 2)
+            _, res = _on_cluster(cluster, ckpt, work / f"{side}-{r}", wal_service=side == "two")
+            nodes = {ids[-1] for ids in res.worker_nodes.values()}
+            if len(nodes) != (1 if side == "one" else 2) or not nodes <= set(cluster.worker_node_ids):
+                raise RuntimeError(f"{side} node(s): the workers ran on {nodes}")
+            (one if side == "one" else two).append(_tokens_s(res))
+            hashes.append({t: f.token_hash for t, f in res.finished.items()})
+    _nodes(cluster, 2)
     same = all(h == hashes[0] for h in hashes)
     return {"one_node_tokens_s": [round(x, 1) for x in one], "two_nodes_tokens_s": [round(x, 1) for x in two],
             "one_node_median": round(statistics.median(one), 1), "two_nodes_median": round(statistics.median(two), 1),
-            "ratio": round(statistics.median(two) / statistics.median(one), 3), "same_tokens_every_run": same}
+            "ratio": round(statistics.median(two) / statistics.median(one), 3), "same_tokens_every_run": same,
+            "calm_hashes": hashes[0]}
 
 
 def node_loss(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int, calm: dict) -> dict:
@@ -256,11 +254,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         ckpt = _checkpoint(work / "ckpt")
         streams = wal_streams(args.streams, args.stream_procs, args.stream_commits, work)
-        cluster = LocalCluster(workers=2, cpus_per_worker=2)
+        cluster = LocalCluster(workers=2, cpus_per_worker=2, dashboard=False)  # no jobs submitted here
         try:
             place = placement(cluster, ckpt, work, args.rounds)
-            _, calm = one_node(ckpt, work / "calm")
-            loss = node_loss(cluster, ckpt, work, args.rounds, calm)
+            loss = node_loss(cluster, ckpt, work, args.rounds, place.pop("calm_hashes"))
         finally:
             left = cluster.stop()
     ratio, rec, held = place["ratio"], loss["recovery_s_median"], streams["held"]
@@ -268,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "cluster",
         "device": cpu_name(),
         "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
-        "cluster": "bench/_localcluster.py: head (0 CPUs, GCS, dashboard) + 2 worker raylets of 2 CPUs each on this "
+        "cluster": "bench/_localcluster.py: head (0 CPUs, GCS) + 2 worker raylets of 2 CPUs each on this "
                    "machine; node failure noticed after 3 missed 1 s health checks",
         "workload": f"rollout of {N_TRAJ} `reverse` episodes, {MAX_NEW} new tokens each, {WORKERS} workers, tiny "
                     "Qwen2-architecture policy (64 hidden, 2 layers), strict decode",
