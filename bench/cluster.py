@@ -10,7 +10,9 @@ node-loss recovery, WAL streams one service holds.
   the rounds; tokens/s counts committed sampled tokens over the pool's run (actor start-up excluded).
 - node_loss_recovery_s: a worker node is killed (SIGKILL of its raylet and every process under it)
   while its worker holds trajectories with committed tokens; recovery ends when the replacement
-  worker on a surviving node has run those trajectories again (its first call came back). Median
+  worker on a surviving node has run those trajectories again (its first call came back). The pool
+  keeps one warm spare actor per node (the production recovery path: imports done, model not yet
+  loaded); Ray declares the node dead after 3 missed 1 s health checks. Median
   over the rounds; every round also checks that no acknowledged token was lost and the token hashes
   equal a calm run's.
 - wal_streams_held: N clients (threads over several processes) each open an append stream to one
@@ -54,15 +56,17 @@ def _checkpoint(path: Path) -> Path:
 def _pool_cfg(**pool):
     from rollout.config import PoolConfig, RolloutConfig, SamplingConfig
 
-    return RolloutConfig(pool=PoolConfig(workers=WORKERS, seed=SEED, steps_per_call=4, call_timeout_s=120, **pool),
+    # commit_group_steps as the shipped GRPO loop runs it (configs/grpo_loop.toml), on both sides
+    return RolloutConfig(pool=PoolConfig(workers=WORKERS, seed=SEED, steps_per_call=4, call_timeout_s=120,
+                                         commit_group_steps=4, **pool),
                          sampling=SamplingConfig(max_new_tokens=MAX_NEW))
 
 
-def _run_pool(ckpt: Path, run_dir: Path, cfg, watch=None):
+def _run_pool(ckpt: Path, run_dir: Path, cfg, watch=None, spares: int = 0):
     from rollout.pool import RolloutPool
     from rollout.run import requests_for
 
-    pool = RolloutPool(ckpt, run_dir, cfg.pool, cfg.engine, use_tools=False)
+    pool = RolloutPool(ckpt, run_dir, cfg.pool, cfg.engine, use_tools=False, spares=spares)
     try:
         watcher = watch(pool) if watch else None
         res = pool.run(requests_for("reverse", N_TRAJ, cfg))
@@ -85,7 +89,7 @@ def _nodes(cluster: LocalCluster, n: int) -> None:
         cluster.add_worker()
 
 
-def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool, watch=None):
+def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool, watch=None, spares: int = 0):
     """A rollout on the cluster: 2 workers of 1 CPU each, SPREAD; the WAL a service actor on the head node, or
     (wal_service False) in-process logs in the run directory."""
     import ray
@@ -98,7 +102,8 @@ def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool
     os.environ["POSTRAIN_WAL_TOKEN"] = "bench-cluster"
     try:
         addr = services.start_wal(work / "wal-service", 1, cluster.head_node_id, "bench-cluster")[0] if wal_service else ""
-        pool, res = _run_pool(ckpt, work, _pool_cfg(worker_cpus=1, worker_strategy="SPREAD", wal_addr=addr), watch)
+        pool, res = _run_pool(ckpt, work, _pool_cfg(worker_cpus=1, worker_strategy="SPREAD", wal_addr=addr), watch,
+                              spares)
     finally:
         services.close()
         os.environ.pop("POSTRAIN_WAL_TOKEN", None)
@@ -106,8 +111,8 @@ def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool
     return pool, res
 
 
-def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None):
-    return _on_cluster(cluster, ckpt, work, True, watch)
+def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None, spares: int = 0):
+    return _on_cluster(cluster, ckpt, work, True, watch, spares)
 
 
 def placement(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int) -> dict:
@@ -154,7 +159,8 @@ def node_loss(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int, calm: 
             t.start()
             return t
 
-        pool, res = two_nodes(cluster, ckpt, work / f"loss-{r}", watch)
+        # one warm spare per worker node (SPREAD): a replacement on the surviving node needs no cold start
+        pool, res = two_nodes(cluster, ckpt, work / f"loss-{r}", watch, spares=2)
         cluster.add_worker()
         if not seen:
             raise RuntimeError("node loss: the node was never removed mid-decode")

@@ -120,12 +120,20 @@ class RolloutPool:
                 refs.append(slot.actor.pid.remote())
         for slot, ref in zip(slots, refs):
             try:
-                slot.pid = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
-                slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
-            except self.ray.exceptions.RayActorError:  # a spare that died while waiting: start a fresh actor
-                slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
-                slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
-                slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
+                while True:
+                    try:
+                        slot.pid = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
+                        slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
+                        break
+                    except self.ray.exceptions.RayActorError:
+                        if self._spares:  # a spare that died while waiting (its node went): the next spare
+                            slot.actor, _ = self._spares.popleft()
+                            ref = slot.actor.start.remote(slot.spec, self.weights_ref, self.version)
+                        else:  # no spare left: one fresh actor (its death reaches the caller)
+                            slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
+                            slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
+                            slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
+                            break
             except self.ray.exceptions.GetTimeoutError:
                 raise RuntimeError(f"rollout pool: worker {slot.index} did not start in {self.cfg.call_timeout_s}s "
                                    f"(are {self.cfg.worker_cpus:g} CPU / {self.cfg.worker_gpus:g} GPU free on a node?)") from None
