@@ -114,7 +114,8 @@ def test_prompt_replay_resumes_exactly(tmp_path, reverse_base):
 
 def test_chaos_run_completes_and_trains_on_the_same_tokens(tmp_path, reverse_base, uninterrupted):
     out = tmp_path / "chaos"
-    cfg = _cfg("loop.chaos_faults=3", "pool.workers=2", "pool.steps_per_call=2")  # short calls: room for faults
+    # one decode step per call: requests stay in flight across calls, so every fault finds one to hit
+    cfg = _cfg("loop.chaos_faults=3", "pool.workers=2", "pool.steps_per_call=1")
     run_grpo(cfg, "reverse", reverse_base, out, iterations=2, chaos_seed=3, quiet=True)
     train = _rows(out, "train")
     assert all(r["completed"] == 16 and r["tokens_lost"] == 0 and r["tokens_resampled"] == 0 for r in train)
