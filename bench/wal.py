@@ -79,16 +79,14 @@ def _zero_file(path: Path, size: int) -> int:
     return fd
 
 
-def raw_prealloc(d: Path, b: int, seconds: float) -> float:
-    """The WAL's own I/O pattern without the WAL: the same bytes per step written over a zero-filled,
-    fsynced file, then fdatasync (no size change to journal). Not a target baseline; context."""
-    toks, lps = _step_arrays(b)
-    frame = codec.encode_tokens(0, "traj-000001", 0, 0, toks.tobytes(), lps.tobytes())
-    fd = _zero_file(d / "raw_prealloc.bin", 4 << 20)
+def _pwrite_fdatasync(path: Path, size: int, frame: bytes, seconds: float) -> float:
+    """`frame` pwritten step after step over a zero-filled, fsynced file of `size` bytes (wrapping), each
+    followed by fdatasync; steps per second."""
+    fd = _zero_file(path, size)
     pos = [0]
     try:
         def step(i):
-            if pos[0] + len(frame) > 4 << 20:
+            if pos[0] + len(frame) > size:
                 pos[0] = 0
             os.pwrite(fd, frame, pos[0])
             os.fdatasync(fd)
@@ -96,6 +94,14 @@ def raw_prealloc(d: Path, b: int, seconds: float) -> float:
         return _timed(seconds, step)
     finally:
         os.close(fd)
+
+
+def raw_prealloc(d: Path, b: int, seconds: float) -> float:
+    """The WAL's own I/O pattern without the WAL: the same bytes per step written over a zero-filled,
+    fsynced file, then fdatasync (no size change to journal). Not a target baseline; context."""
+    toks, lps = _step_arrays(b)
+    frame = codec.encode_tokens(0, "traj-000001", 0, 0, toks.tobytes(), lps.tobytes())
+    return _pwrite_fdatasync(d / "raw_prealloc.bin", 4 << 20, frame, seconds)
 
 
 def _step_ids(b: int) -> list[str]:
@@ -109,18 +115,7 @@ def raw_prealloc_step(d: Path, b: int, seconds: float) -> float:
     toks, lps = _step_arrays(b)
     frame = codec.encode_step_record(0, [t.encode() for t in _step_ids(b)], codec.pack_positions([0] * b), 0,
                                      toks.tobytes(), lps.tobytes(), codec.FLUSH_MARK)
-    fd = _zero_file(d / "raw_step.bin", 8 << 20)
-    pos = [0]
-    try:
-        def step(i):
-            if pos[0] + len(frame) > 8 << 20:
-                pos[0] = 0
-            os.pwrite(fd, frame, pos[0])
-            os.fdatasync(fd)
-            pos[0] += len(frame)
-        return _timed(seconds, step)
-    finally:
-        os.close(fd)
+    return _pwrite_fdatasync(d / "raw_step.bin", 8 << 20, frame, seconds)
 
 
 def floor_1byte(d: Path, b: int, seconds: float) -> float:
