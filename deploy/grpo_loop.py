@@ -41,6 +41,7 @@ import torch
 import rewards
 from core.errors import UserError
 from core.hf import resolve_checkpoint
+from deploy.rollout_row import rollout_row
 from deploy.grpo_config import GRPOLoopConfig
 from deploy.mixture import domain_shares
 from core.rundir import RunDir
@@ -362,19 +363,7 @@ class GRPOLoop:
         (self.out / "rollout").mkdir(parents=True, exist_ok=True)
         with open(self.out / "rollout" / "worker_nodes.jsonl", "a") as f:  # where each worker ran (Ray node ids)
             f.write(json.dumps({"iteration": k, "worker_nodes": res.worker_nodes}) + "\n")
-        if len(res.finished) != len(requests):
-            raise RuntimeError(f"grpo: iteration {k}: {len(res.finished)} of {len(requests)} rollouts finished")
-        row = {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished), "faults": 0,
-               "replacements": res.replacements - before, "tokens_lost": res.tokens_lost,
-               "tokens_resampled": res.tokens_resampled}
-        if injector is not None:
-            injector.finish(self.pool)
-            if injector.shortfall():
-                raise UserError(f"grpo --chaos: iteration {k}: {injector.shortfall()} (loop.chaos_faults)")
-            rec = [e.recovery_s for e in injector.events if e.recovery_s is not None]
-            row |= {"faults": injector.injected, "faults_survived": len(rec),
-                    "recovery_s_max": round(max(rec), 4) if rec else 0.0}
-        return row
+        return rollout_row("grpo", k, len(requests), res, before, t0, injector, self.pool)
 
     def _complete(self, k: int) -> bool:
         return len(self.dp.select(run=batch_name(k), status=None)) == self.batch_size

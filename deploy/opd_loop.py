@@ -34,6 +34,7 @@ from core.errors import UserError
 from core.hf import resolve_checkpoint
 from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
+from deploy.rollout_row import rollout_row
 from deploy.grpo_loop import _IterationSink, batch_name
 from deploy.mixture import domain_shares
 from deploy.opd_config import OPDLoopConfig
@@ -240,19 +241,7 @@ class OPDLoop:
         before = self.pool.replacements  # cumulative over the pool's life: report this batch's
         self.sink.start(batch_name(k))
         res = self.pool.run(requests, injector)
-        if len(res.finished) != len(requests):
-            raise RuntimeError(f"opd: iteration {k}: {len(res.finished)} of {len(requests)} rollouts finished")
-        row = {"rollout_s": round(time.monotonic() - t0, 3), "completed": len(res.finished), "faults": 0,
-               "replacements": res.replacements - before, "tokens_lost": res.tokens_lost,
-               "tokens_resampled": res.tokens_resampled}
-        if injector is not None:
-            injector.finish(self.pool)
-            if injector.shortfall():
-                raise UserError(f"opd --chaos: iteration {k}: {injector.shortfall()} (loop.chaos_faults)")
-            rec = [e.recovery_s for e in injector.events if e.recovery_s is not None]
-            row |= {"faults": injector.injected, "faults_survived": len(rec),
-                    "recovery_s_max": round(max(rec), 4) if rec else 0.0}
-        return row
+        return rollout_row("opd", k, len(requests), res, before, t0, injector, self.pool)
 
     def _complete(self, k: int, n: int) -> bool:
         return len(self.dp.select(run=batch_name(k), status=None)) == n
