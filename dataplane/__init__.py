@@ -31,6 +31,7 @@ Files:
     postgres.py  PostgreSQL backend: psycopg 3, optional namespace (schema) per catalog, column aggregates
     codec.py     pure shard codec: records <-> Arrow record batch, row checksums, zero-copy views
     store.py     ShardStore: atomic checksummed IPC shard files on local disk (mmap) or pyarrow.fs
+    remote.py    RemoteStore: objects and manifest-committed trees under a pyarrow.fs URI (atomic without rename)
     packing.py   pure numpy kernels: split, next-fit chain by pointer doubling, greedy rank balance
     planner.py   pure numpy planner: seeded (group-aware, by-teacher) shuffle -> split -> pack -> Plan
     streaming.py Loader: per-minibatch reads of needed rows/ranges, packed torch tensors, bounded prefetch

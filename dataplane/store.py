@@ -3,8 +3,8 @@ written atomically (temp, fsync, rename, fsync dir), checksummed (crc32c of the 
 memory-mapped and zero-copy where the filesystem is local.
 
 On a local root every write, directory creation and delete goes through `core.fileio` (so the
-power-cut simulator sees it); remote filesystems are written through `pyarrow.fs`, whose upload then
-move is their commit (they have no fsync to get wrong)."""
+power-cut simulator sees it); remote filesystems through `dataplane.remote` (temp key, then a move
+onto the name: they have no fsync to get wrong). A `file://` URI is local: memory-mapped and fsynced."""
 from __future__ import annotations
 
 import mmap
@@ -22,6 +22,7 @@ import pyarrow.ipc as ipc
 from core import fileio
 from core.atomic import write_atomic
 from dataplane.errors import ChecksumError, ShardMissingError
+from dataplane.remote import RemoteStore, is_uri
 
 
 class MappedShard:
@@ -61,11 +62,9 @@ class ShardStore:
 
     def __init__(self, root: str | os.PathLike, filesystem: pafs.FileSystem | None = None, use_mmap: bool = True):
         root = str(root)
-        if filesystem is not None:
-            self.fs, self.base = filesystem, root.rstrip("/")
-        elif "://" in root:
-            self.fs, self.base = pafs.FileSystem.from_uri(root)
-            self.base = self.base.rstrip("/")
+        if filesystem is not None or is_uri(root):
+            self.remote = RemoteStore(root, filesystem)
+            self.fs, self.base = self.remote.fs, self.remote.base
         else:
             self.fs, self.base = pafs.LocalFileSystem(), str(Path(root).resolve())
         self.root = root
@@ -92,16 +91,10 @@ class ShardStore:
             writer.write_batch(batch)
         buf = sink.getvalue()
         crc = int(google_crc32c.value(buf))
-        path = self.full_path(rel)
-        parent = path.rsplit("/", 1)[0]
         if self.local:  # its directories created durably, the shard durable before its name appears
-            write_atomic(Path(path), buf)
+            write_atomic(Path(self.full_path(rel)), buf)
         else:  # object stores have no fsync; a completed upload followed by a move is their commit
-            tmp = f"{parent}/.{path.rsplit('/', 1)[1]}.tmp.{os.getpid()}"
-            self.fs.create_dir(parent, recursive=True)
-            with self.fs.open_output_stream(tmp) as out:
-                out.write(buf)
-            self.fs.move(tmp, path)
+            self.remote.put(rel, buf)
         return buf.size, crc
 
     # -- read ----------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ when every field matches the WAL and the current weights; anything else is a `Sn
 whose reason the caller counts before falling back to re-prefill from the WAL.
 
 The store is a local directory (atomic write through `core.fileio`: temp, fsync, rename, fsync dir)
-or any `pyarrow.fs` URI (temp object then move; object stores have no fsync).
+or any `pyarrow.fs` URI through `dataplane.remote` (temp object then move; object stores have no fsync).
 """
 from __future__ import annotations
 
@@ -224,10 +224,9 @@ class SnapshotStore:
         uri = str(uri)
         self.uri = uri
         if "://" in uri and not uri.startswith("file://"):
-            from pyarrow import fs as pafs
-            self._fs, root = pafs.FileSystem.from_uri(uri)
-            self._root, self._local = root.rstrip("/"), None
-            self._fs.create_dir(self._root, recursive=True)
+            from dataplane.remote import RemoteStore
+
+            self._remote, self._local = RemoteStore(uri), None
         else:
             self._local = Path(uri.removeprefix("file://"))
             fileio.makedirs(self._local)
@@ -238,28 +237,19 @@ class SnapshotStore:
 
     def path(self, traj_id: str) -> str:
         name = self._name(traj_id)
-        return str(self._local / name) if self._local else f"{self._root}/{name}"
+        return str(self._local / name) if self._local else self._remote.path(name)
 
     def put(self, traj_id: str, data: bytes) -> None:
         if self._local:
             write_atomic(self._local / self._name(traj_id), data)
-            return
-        final = self.path(traj_id)
-        tmp = final + ".tmp"
-        with self._fs.open_output_stream(tmp) as f:
-            f.write(data)
-        self._fs.move(tmp, final)
+        else:
+            self._remote.put(self._name(traj_id), data)
 
     def get(self, traj_id: str) -> bytes | None:
         if self._local:
             p = self._local / self._name(traj_id)
             return p.read_bytes() if p.is_file() else None
-        from pyarrow import fs as pafs
-        p = self.path(traj_id)
-        if self._fs.get_file_info(p).type != pafs.FileType.File:
-            return None
-        with self._fs.open_input_stream(p) as f:
-            return f.read()
+        return self._remote.get(self._name(traj_id))
 
     def load(self, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str, dtype: torch.dtype,
              device: torch.device | str = "cpu") -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
@@ -277,17 +267,10 @@ class SnapshotStore:
                 fileio.unlink(p)
                 return True
             return False
-        from pyarrow import fs as pafs
-        p = self.path(traj_id)
-        if self._fs.get_file_info(p).type != pafs.FileType.File:
-            return False
-        self._fs.delete_file(p)
-        return True
+        return self._remote.delete(self._name(traj_id))
 
     def ids_on_disk(self) -> list[str]:
         """File paths of every stored snapshot (a drill picks victims from these)."""
         if self._local:
             return sorted(str(p) for p in self._local.glob("*.kv.safetensors"))
-        from pyarrow import fs as pafs
-        infos = self._fs.get_file_info(pafs.FileSelector(self._root))
-        return sorted(i.path for i in infos if i.path.endswith(".kv.safetensors"))
+        return [self._remote.path(k) for k in self._remote.list() if k.endswith(".kv.safetensors")]
