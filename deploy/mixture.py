@@ -17,3 +17,20 @@ def domain_shares(total: int, domains: list[str], weights: dict[str, float] | No
     for i in np.argsort(-(exact - base), kind="stable")[: total - int(base.sum())]:
         base[i] += 1
     return dict(zip(domains, base.tolist()))
+
+
+def kl_weights(domains: list[str], kl: dict[str, float], floor: float) -> dict[str, float]:
+    """Shares that follow the student's distance to its teachers: each domain gets `floor`, the rest is
+    split in proportion to its per-token KL of the last iteration (equal where no KL is known yet or
+    every KL is zero). A domain the student has already caught up with keeps `floor` of the samples, so
+    it stays watched, and the budget goes where the teachers still disagree."""
+    if not 0.0 <= floor * len(domains) <= 1.0:
+        raise UserError(f"mixture floor {floor} x {len(domains)} domains must lie in [0, 1]")
+    k = np.array([float(kl.get(d, 0.0)) for d in domains])
+    if not np.isfinite(k).all():
+        raise UserError(f"per-domain KL {kl} is not finite: cannot set the mixture from it")
+    k = np.maximum(k, 0.0)  # the chunked estimate can round a zero KL to a tiny negative
+    if len(kl) < len(domains) or k.sum() <= 0:
+        return {d: 1.0 for d in domains}
+    rest = 1.0 - floor * len(domains)
+    return {d: floor + rest * float(v) / float(k.sum()) for d, v in zip(domains, k)}

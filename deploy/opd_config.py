@@ -6,6 +6,8 @@ rollout path's, `[eval]` pass@1 on every domain, `[loop]` what composes them.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from core.config import Config
@@ -24,6 +26,10 @@ class OPDLoop(Config):
     domains: list[str] = Field(default_factory=list, description="domains to sample; empty = every teacher's domain")
     domain_weights: dict[str, float] = Field(default_factory=dict, description="share of each domain's prompts "
                                              "(relative); empty = equal shares")
+    mixture: Literal["fixed", "kl"] = Field("fixed", description="fixed: `domain_weights` every iteration; kl: "
+                                            "each domain gets `mixture_floor`, the rest follows the last "
+                                            "iteration's per-token KL to its teachers")
+    mixture_floor: float = Field(0.15, ge=0.0, le=1.0, description="share every domain keeps under mixture = kl")
     minibatches: int = Field(2, ge=1, le=4096, description="optimizer steps per iteration (teacher-ordered minibatches)")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals on every domain "
                                                                "(0 = only first and last)")

@@ -36,7 +36,7 @@ from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
 from deploy.rollout_row import rollout_row
 from deploy.grpo_loop import _IterationSink, batch_name
-from deploy.mixture import domain_shares
+from deploy.mixture import domain_shares, kl_weights
 from deploy.opd_config import OPDLoopConfig
 from distill.cache import CacheMismatch, CacheRecord, cache_run, check
 from distill.teachers import Teacher, resolve_teachers, table_entries
@@ -45,13 +45,16 @@ TIMING_KEYS = ("time_s", "rollout_s", "prefill_s", "train_s", "eval_s", "step_ti
                "teacher_eval_s")
 
 
-def make_requests(cfg: OPDLoopConfig, domains: list[str], iteration: int) -> list:
+def make_requests(cfg: OPDLoopConfig, domains: list[str], iteration: int,
+                  weights: dict[str, float] | None = None) -> list:
+    """Iteration `iteration`'s prompts: `weights` (else `loop.domain_weights`) share them among `domains`."""
     from rollout.sampling import SamplingParams
     from rollout.types import Request
 
     s, lp = cfg.sampling, cfg.loop
     out = []
-    for di, (domain, n) in enumerate(domain_shares(lp.prompts_per_iteration, domains, lp.domain_weights).items()):
+    shares = domain_shares(lp.prompts_per_iteration, domains, lp.domain_weights if weights is None else weights)
+    for di, (domain, n) in enumerate(shares.items()):
         dom = rewards.domain(domain)
         params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                 max_new_tokens=s.max_new_tokens, stop=("</call>",) if dom.uses_tools else ())
@@ -98,6 +101,7 @@ class OPDLoop:
         self.teachers = [t for t in self.teachers if t.domain in self.domains]
         self.by_name = {t.name: t for t in self.teachers}
         domain_shares(cfg.loop.prompts_per_iteration, self.domains, cfg.loop.domain_weights)  # checks the weights
+        kl_weights(self.domains, {}, cfg.loop.mixture_floor if cfg.loop.mixture == "kl" else 0.0)  # checks the floor
         self.out = Path(out)
         self.run_id = self._prepare_out(resume)
         self.run = RunDir(self.out)
@@ -182,7 +186,8 @@ class OPDLoop:
         done = start
         for k in range(start, self.iterations):
             t0 = time.monotonic()
-            requests = make_requests(self.cfg, self.domains, k)
+            mix = self._mixture(k)
+            requests = make_requests(self.cfg, self.domains, k, mix)
             roll = {}
             if not self._complete(k, len(requests)):
                 self._drop(batch_name(k))
@@ -198,7 +203,9 @@ class OPDLoop:
             rewards_by_domain = {}
             for s in sampled:
                 rewards_by_domain.setdefault(s.domain, []).append(s.reward)
+            shares = domain_shares(lp.prompts_per_iteration, self.domains, mix) if mix else {}
             self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **cache, **train,
+                         **{f"prompts_{d}": n for d, n in shares.items()},
                          **{f"reward_{d}": float(np.mean(r)) for d, r in sorted(rewards_by_domain.items())},
                          train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
             done = k + 1
@@ -224,6 +231,21 @@ class OPDLoop:
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "teachers": {t.name: t.path for t in self.teachers}, "teacher_pass_at_1": self.teacher_pass,
                 "eval": evals, "last_eval": last_eval}
+
+    def _mixture(self, k: int) -> dict[str, float] | None:
+        """Iteration k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from
+        the per-teacher KL that iteration k-1 logged, read back from metrics.jsonl, so that a resumed run
+        draws what the uninterrupted one drew."""
+        lp = self.cfg.loop
+        if lp.mixture != "kl":
+            return None
+        row = next((r for r in self.run.read_metrics() if r.get("stage") == "train" and r.get("iteration") == k), {})
+        kl = {}
+        for d in self.domains:
+            mine = [t for t in self.teachers if t.domain == d and f"kl_{t.name}" in row]
+            if mine:
+                kl[d] = sum(t.weight * row[f"kl_{t.name}"] for t in mine) / sum(t.weight for t in mine)
+        return kl_weights(self.domains, kl, lp.mixture_floor)
 
     def _over_budget(self, iteration_s: float) -> bool:
         return time.monotonic() - self.t_start + 2 * iteration_s > self.cfg.loop.time_budget_s

@@ -27,7 +27,8 @@ POOL_KEYS = ("faults", "faults_survived", "recovery_s_max", "replacements", "com
              "cache_rows_computed", "cache_rows_reused", "cache_rows_recomputed_corrupt", "cache_hidden_bytes")
 BASE = ["sampling.max_new_tokens=8", "eval.max_new_tokens=8", "eval.n=6", "learner.threads=1", "learner.device=cpu",
         "pool.workers=1", "loop.eval_every=0", "engine.strict=true", "loop.prompts_per_iteration=6",
-        "loop.minibatches=2", "loop.checkpoint_every=1", "opd.teacher_workers=1", "optim.lr=1e-3"]
+        "loop.minibatches=2", "loop.checkpoint_every=1", "opd.teacher_workers=1", "optim.lr=1e-3",
+        "loop.mixture=kl", "loop.mixture_floor=0.2"]
 
 
 def _cfg(*extra):  # the shipped file, as `postrain opd` reads it, with the test's settings over it
@@ -67,6 +68,11 @@ def test_calm_run_outputs(calm):
     assert all(r["completed"] == 6 and r["tokens_lost"] == 0 for r in train)
     assert all(r["max_resident_heads"] == 1 and r["head_loads_per_minibatch_max"] <= 2 for r in train)
     assert all(r["cache_bytes"] > 0 and r["kl"] > 0 and "kl_arith:0" in r and "kl_calc:0" in r for r in train)
+    # the kl mixture: equal shares first, then each iteration's from the KL the one before logged
+    assert [(r["prompts_arith"], r["prompts_calc"]) for r in train][0] == (3, 3)
+    for prev, row in zip(train, train[1:]):
+        more = "arith" if prev["kl_arith:0"] > prev["kl_calc:0"] else "calc"
+        assert row[f"prompts_{more}"] >= 3 and row["prompts_arith"] + row["prompts_calc"] == 6
     evals = _rows(calm, "eval")
     assert [r["iteration"] for r in evals] == [0, 3] and "eval_pass_at_1_calc" in evals[0]
     assert {r["teacher"] for r in _rows(calm, "teacher_eval")} == {"arith:0", "calc:0"}
