@@ -10,6 +10,7 @@ gRPC log service; also the per-sandbox environment log.
     stepgroup.py  batched-decode fast path of the index: steps over the same trajectories kept as rows, merged on any other access
     envindex.py   per-sandbox environment index with the same rules
     store.py      Store: log + both indexes, replay on open, retention (reclaim / compaction)
+    tombstones.py finalized ids whose finalize records retention reclaimed (finalized.log), so they stay finalized
     config.py     WALConfig (log) and ServeConfig (gRPC service)
     base.py       TokenLog: the interface of the in-process and remote logs
     tokenwal.py   TokenWAL: the in-process backend

@@ -100,11 +100,14 @@ class Trajectory:
 
 class TokenIndex:
     """Trajectories by id, the finalized ids, and at most one StepGroup (the batched-decode fast path):
-    any access to `trajs` dissolves the group first, so nothing but the fast path sees its rows unmerged."""
+    any access to `trajs` dissolves the group first, so nothing but the fast path sees its rows unmerged.
+    `finalized` holds the ids whose finalize records are in the log, `forgotten` those whose finalize
+    records retention reclaimed (the tombstone file); both are finalized to every caller."""
 
     def __init__(self, durable_lsn: Callable[[], int] = lambda: -1) -> None:
         self._trajs: dict[str, Trajectory] = {}
         self.finalized: set[str] = set()
+        self.forgotten: set[str] = set()
         self.group: StepGroup | None = None
         self.durable_lsn = durable_lsn  # the log's durable lsn (which group rows are settled)
 
@@ -128,7 +131,7 @@ class TokenIndex:
     def new_part(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, version: int) -> tuple[int, int] | None:
         """Check an append; returns (first new position, byte offset into tokens) of the part to write,
         or None when all of it is an exact repeat. Raises GapError / ConflictError / FinalizedError."""
-        if traj_id in self.finalized:
+        if traj_id in self.finalized or traj_id in self.forgotten:
             raise FinalizedError(f"trajectory {traj_id!r} is finalized; it takes no more appends")
         traj = self.trajs.get(traj_id)
         end = traj.length if traj is not None else 0
@@ -171,14 +174,14 @@ class TokenIndex:
 
     def finalize(self, traj_id: str) -> bool:
         """Mark finalized and drop from the index; False if it already was."""
-        if traj_id in self.finalized:
+        if traj_id in self.finalized or traj_id in self.forgotten:
             return False
         self.trajs.pop(traj_id, None)
         self.finalized.add(traj_id)
         return True
 
     def read(self, traj_id: str, durable_lsn: int) -> tuple[Trajectory | None, int]:
-        if traj_id in self.finalized:
+        if traj_id in self.finalized or traj_id in self.forgotten:
             raise FinalizedError(f"trajectory {traj_id!r} was finalized; its tokens live in the data plane now")
         traj = self.trajs.get(traj_id)
         if traj is None:

@@ -117,7 +117,7 @@ def trim(path: Path, size: int) -> None:
     may run after the next segment exists; a segment already reclaimed is left alone."""
     try:
         if path.stat().st_size > size:
-            _truncate(path, size)
+            truncate(path, size)
     except FileNotFoundError:
         pass
 
@@ -207,7 +207,8 @@ def _keep_aside(directory: Path, name: str, data: bytes) -> Path:
     return path
 
 
-def _truncate(path: Path, size: int) -> None:
+def truncate(path: Path, size: int) -> None:
+    """Cut `path` to `size` bytes, durably."""
     fd = fileio.open(path, os.O_WRONLY)
     try:
         fileio.ftruncate(fd, size)
@@ -284,7 +285,7 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
         if last:
             report.preallocated_bytes = len(buf) - end
         elif mutate:
-            _truncate(path, end)  # sealed, but the roll's truncate did not happen before a crash
+            truncate(path, end)  # sealed, but the roll's truncate did not happen before a crash
         return True
     _, _, why = codec.read_frame(buf, end, expect)
     follows = codec.find_valid_after(buf, end, expect - 1, stop) is not None
@@ -293,7 +294,7 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
         report.bytes -= len(buf) - end
         if mutate:
             report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:stop])))
-            _truncate(path, end)
+            truncate(path, end)
         return False
     _corrupt(report, directory, segs[i + 1:], path, end, why, follows, mutate, repair, buf)
     return False
@@ -317,7 +318,7 @@ def _corrupt(report, directory, later, path, offset, why, follows, mutate, repai
         report.torn_bytes_cut += len(data)
         report.torn_files.append(str(_keep_aside(directory, name, data)))
     if offset > 0:
-        _truncate(path, offset)
+        truncate(path, offset)
     else:
         fileio.unlink(path)
     for _, p in later if offset > 0 else later[1:]:

@@ -5,7 +5,8 @@ and one group commit. Retention: after a segment rolls, a background thread look
 sealed segments; a segment with no live record (token records of unfinalized trajectories and
 environment records of unreleased sandboxes are live) is deleted; one with a small live fraction has its live records
 copied to the head of the log (committed) and is then deleted. Only the oldest segment is ever
-removed, so a finalize record always outlives the token records it kills.
+removed, so a finalize record always outlives the token records it kills; before it goes, its id is
+kept in the tombstone file (`wal/tombstones.py`), so a finalized trajectory stays finalized.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wal import codec, segments
+from wal import codec, segments, tombstones
 from wal.config import WALConfig
 from wal.envindex import EnvIndex
 from wal.errors import ConflictError, CorruptionError, GapError, WALError
@@ -39,6 +40,11 @@ class Store:
                        spare_segments=self.config.spare_segments)
         try:
             self._finish_replay(repair)
+            self.tokens.forgotten = tombstones.read(self.log.directory, mutate=True)
+            revived = self.tokens.forgotten.intersection(self.tokens.trajs)
+            if revived:
+                raise CorruptionError(f"WAL {self.log.directory}: trajectories {sorted(revived)[:5]} have token records "
+                                      f"but are in {tombstones.FILE_NAME} (finalized and reclaimed)")
         except BaseException:
             self.log.close()
             raise
@@ -240,7 +246,7 @@ class Store:
         codec._id_bytes(traj_id, "traj_id")
         with self.mutex:
             self.log.check_open()
-            if traj_id not in self.tokens.finalized:
+            if traj_id not in self.tokens.finalized and traj_id not in self.tokens.forgotten:
                 self.log.append_locked(lambda lsn, mark: codec.encode_finalize(lsn, traj_id, mark))
                 self.tokens.finalize(traj_id)
                 self._maybe_dead = True
@@ -342,8 +348,13 @@ class Store:
             self.copied_records += len(live)
         if live:
             self.log.commit()
+        with self.mutex:
+            tombs = [r for r in recs if isinstance(r, FinalizeRecord) and r.traj_id not in self.tokens.forgotten]
+        tombstones.append(self.log.directory, tombs)  # durable before the finalize records are deleted
         self.log.delete_oldest(base)
         with self.mutex:
+            for r in tombs:
+                self.tokens.forgotten.add(r.traj_id)
             for r in recs:
                 if isinstance(r, FinalizeRecord):
                     self.tokens.finalized.discard(r.traj_id)
@@ -377,6 +388,7 @@ class Store:
                 "trajectories": len(trajs),
                 "live_tokens": sum(t.length for t in trajs.values()),
                 "finalized_remembered": len(self.tokens.finalized),
+                "finalized_forgotten": len(self.tokens.forgotten),  # in the tombstone file
                 "sandboxes": len(self.env.sandboxes),
                 "released_remembered": len(self.env.released),
                 "fsyncs": self.log.fsyncs,

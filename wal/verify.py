@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from wal import codec, segments
+from wal import codec, segments, tombstones
+from wal.errors import CorruptionError
 from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
 
 
@@ -48,6 +49,11 @@ def verify(directory: str | Path) -> dict:
     out["live_tokens"] = sum(n for t, n in lengths.items() if t not in finalized)
     out["order_notes"] = problems  # out-of-order starts are normal after compaction; recovery sorts them
     out["ok"] = not report.corruption
+    try:
+        out["finalized_forgotten"] = len(tombstones.read(directory, mutate=False))
+    except CorruptionError as exc:
+        out["tombstone_corruption"] = str(exc)
+        out["ok"] = False
     return out
 
 

@@ -93,9 +93,13 @@ def _check(directory: Path, acked: dict, finalized: set, env: dict) -> None:
     for traj, n in acked.items():
         if traj in finalized:
             assert traj not in live, f"{traj} was finalized (acknowledged) but is live again"
+            with pytest.raises(wal.FinalizedError):  # also once retention has reclaimed its finalize record
+                w.tokens(traj)
             continue
         if traj not in live and "?" + traj in finalized:
-            continue  # its finalize was started, not acknowledged: it may have become durable
+            with pytest.raises(wal.FinalizedError):  # started, not acknowledged: durable, since it is not live
+                w.tokens(traj)
+            continue
         got = w.tokens(traj) if traj in live else []
         assert len(got) >= n, f"{traj}: {n} tokens acknowledged, only {len(got)} after recovery"
         assert got == [token(traj, p) for p in range(len(got))], f"{traj}: recovered tokens are not the written prefix"
