@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 from bench._device import cpu_name, run_meta
-from bench._localcluster import LocalCluster, free_port
+from rollout.local_cluster import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TRAJ, MAX_NEW, WORKERS, SEED = 16, 32, 2, 11
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "cluster",
         "device": cpu_name(),
         "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
-        "cluster": "bench/_localcluster.py: head (0 CPUs, GCS) + 2 worker raylets of 2 CPUs each on this "
+        "cluster": "rollout/local_cluster.py: head (0 CPUs, GCS) + 2 worker raylets of 2 CPUs each on this "
                    "machine; node failure noticed after 3 missed 1 s health checks",
         "workload": f"rollout of {N_TRAJ} `reverse` episodes, {MAX_NEW} new tokens each, {WORKERS} workers, tiny "
                     "Qwen2-architecture policy (64 hidden, 2 layers), strict decode",

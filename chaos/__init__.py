@@ -6,4 +6,5 @@ their paths. `postrain drill` and `--chaos` on `rollout`, `grpo` and `opd` use i
     schedule.py     seeded fault schedules scheduled on observed progress (pure); percentiles
     files.py        file damage: flip a bit, zero a range
     pool_faults.py  PoolInjector: rollout faults through the pool's hooks, recovery time per fault
+    node_loss_drill.py  node-loss: a worker node of a local multi-node Ray cluster killed mid-decode
 """

@@ -1,14 +1,14 @@
 """The drill catalog: name -> what it does and the function that runs it. Order is run order (the WAL
-drills fork writer processes and learner-kill starts its own Ray in `postrain grpo`, so they run
-before this process starts Ray for the rollout drills). `slow`: left out of the default test suite's
+drills fork writer processes, learner-kill starts its own Ray in `postrain grpo` and node-loss joins
+its own multi-node cluster, so they run before this process starts Ray for the rollout drills). `slow`: left out of the default test suite's
 fast variant (it trains)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from chaos import (cache_drill, catalog_drill, disk_drill, learner_drill, rollout_drills, sandbox_drill, wal_drills,
-                   wal_service_drill)
+from chaos import (cache_drill, catalog_drill, disk_drill, learner_drill, node_loss_drill, rollout_drills, sandbox_drill,
+                   wal_drills, wal_service_drill)
 from chaos.drill import DrillContext, DrillResult
 
 
@@ -41,6 +41,9 @@ DRILLS = {d.name: d for d in [
           "are detected and recomputed, bitwise equal", cache_drill.teacher_cache_corrupt, 60),
     Drill("learner-kill", "SIGKILL of `postrain grpo` mid-iteration, then --resume; the training metrics equal the "
           "uninterrupted run's", learner_drill.learner_kill, 2, slow=True),
+    Drill("node-loss", "a worker node of a local multi-node Ray cluster killed mid-decode (its raylet and processes); "
+          "the pool replaces its workers on a surviving node and resumes from the WAL", node_loss_drill.node_loss, 3,
+          slow=True),
     Drill("rollout-preempt", "requests preempted to KV snapshots, resumed on the same worker", _rollout("rollout-preempt"), 40),
     Drill("snapshot-corrupt", "preempted, then a bit of every snapshot flipped; re-prefill from the WAL", _rollout("snapshot-corrupt"), 30),
     Drill("snapshot-delete", "preempted, then the snapshots deleted; re-prefill from the WAL", _rollout("snapshot-delete"), 30),

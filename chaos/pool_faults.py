@@ -9,6 +9,8 @@ Each fault waits its gap in rounds, then fires on a worker that holds requests i
     snapshot_delete   preempt, then the written snapshots deleted (resume re-prefills)
     actor_kill        `pool.kill(k)`: `ray.kill` of the actor (a warm spare takes its slot)
     sigkill           SIGKILL to the worker's process
+    node_loss         `kill_node(pool.worker_node(k))`: the worker's whole Ray node killed (its raylet and
+                      every process under it; a cluster drill passes the function)
 
 Recovery time of a fault: from the moment it took effect (a kill when sent; a preemption once the
 worker has stopped the requests, which waits for its call in progress) until every trajectory it hit
@@ -23,6 +25,7 @@ import signal
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from chaos.files import flip_bit
 from chaos.schedule import Fault
@@ -52,6 +55,7 @@ class PoolInjector:
     # (the spare capacity a drill sizes); off for --chaos, whose faults must fire within one batch
     wait_for_spare: bool = False
     spare_waits: int = 0  # rounds a kill waited for a warm spare
+    kill_node: Callable[[str], None] | None = None  # node_loss: kills the Ray node with this id
 
     def __post_init__(self):
         self._pending = deque(self.faults)
@@ -122,6 +126,8 @@ class PoolInjector:
                 os.kill(pool.worker_pid(slot), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        elif kind == "node_loss" and self.kill_node is not None:
+            self.kill_node(pool.worker_node(slot))
         else:
             raise ValueError(f"unknown rollout fault kind {kind!r}")
         return hit

@@ -46,7 +46,7 @@ def tiny_checkpoint(ctx: DrillContext) -> str:
     return ctx.cache["checkpoint"]
 
 
-def _requests(prefix: str, n: int):
+def rollout_requests(prefix: str, n: int):
     from rollout.sampling import SamplingParams
     from rollout.types import Request
 
@@ -89,11 +89,11 @@ def _calm_wall(ctx: DrillContext, n: int) -> float:
     """Wall time of the same amount of work without faults, on the same pool."""
     key = ("rollout-calm", n)
     if key not in ctx.cache:
-        ctx.cache[key] = _run(ctx, _requests(f"calm{n}", n))[3]
+        ctx.cache[key] = _run(ctx, rollout_requests(f"calm{n}", n))[3]
     return ctx.cache[key]
 
 
-def _reference(ctx: DrillContext, requests) -> dict[str, str]:
+def reference_hashes(ctx: DrillContext, requests) -> dict[str, str]:
     """Token hash of every trajectory decoded uninterrupted, in one process (strict decode is batch-invariant)."""
     from rollout.config import EngineConfig
     from rollout.worker import RolloutWorker, WorkerSpec
@@ -138,8 +138,8 @@ def run_rollout_drill(ctx: DrillContext, name: str, faults: int) -> DrillResult:
     c, replacements, finished, calm, batches = Counter(), 0, {}, {}, 0
     out.wall_s = out.calm_wall_s = 0.0
     while injector.injected < faults and batches <= faults:
-        requests = _requests(f"{name}-b{batches}", n)
-        calm.update(_reference(ctx, requests))
+        requests = rollout_requests(f"{name}-b{batches}", n)
+        calm.update(reference_hashes(ctx, requests))
         res, counters, replaced, wall = _run(ctx, requests, injector)
         c.update(counters)
         replacements += replaced

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 # rollout fault kinds, in the order a drill report lists them
 ROLLOUT_KINDS = ("preempt", "snapshot_corrupt", "snapshot_delete", "actor_kill", "sigkill")
+# faults that need more than the pool: a multi-node cluster to take a node from (the node-loss drill)
+CLUSTER_KINDS = ("node_loss",)
 
 
 @dataclass(frozen=True)
@@ -27,9 +29,9 @@ def schedule(seed: int, workers: int, faults: int, kinds: tuple[str, ...] = ROLL
     if workers < 1 or faults < 0 or not kinds or max_gap < 0:
         raise ValueError(f"fault schedule needs workers >= 1, faults >= 0, kinds and max_gap >= 0 "
                          f"(got {workers}, {faults}, {kinds}, {max_gap})")
-    unknown = set(kinds) - set(ROLLOUT_KINDS)
+    unknown = set(kinds) - set(ROLLOUT_KINDS) - set(CLUSTER_KINDS)
     if unknown:
-        raise ValueError(f"unknown rollout fault kinds {sorted(unknown)}; known: {', '.join(ROLLOUT_KINDS)}")
+        raise ValueError(f"unknown rollout fault kinds {sorted(unknown)}; known: {', '.join(ROLLOUT_KINDS + CLUSTER_KINDS)}")
     rng = random.Random(seed)
     out: list[Fault] = []
     while len(out) < faults:

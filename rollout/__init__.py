@@ -12,4 +12,5 @@ snapshots, Ray rollout workers, the pool that survives their death, the multi-tu
     pool.py       RolloutPool: bounded in-flight, replacement on death, sink then finalize, stream audit
     sink.py       DataPlaneSink: finished trajectories into the data plane, idempotent by id
     run.py        one `postrain rollout` run and its JSON report
+    local_cluster.py  LocalCluster: a real multi-node Ray cluster on one machine (head + worker raylets, free ports)
 """

@@ -13,7 +13,7 @@ The pool also audits the stream it received: every committed token it was shown 
 position in the final trajectory (`tokens_lost`), and no position may be reported twice
 (`tokens_resampled`).
 
-The hooks at the end (`preempt`, `kill`, `worker_pid`, `warm_spares`, `incarnation`, `in_flight`, `seen`,
+The hooks at the end (`preempt`, `kill`, `worker_pid`, `worker_node`, `warm_spares`, `incarnation`, `in_flight`, `seen`,
 `snapshot_path`) are what an operator or a fault-injection drill (`chaos/`) uses from outside; the pool
 holds no fault code.
 """
@@ -298,6 +298,10 @@ class RolloutPool:
     def worker_pid(self, slot_index: int) -> int:
         """The process id of worker `slot_index`'s current actor."""
         return self.slots[slot_index].pid
+
+    def worker_node(self, slot_index: int) -> str:
+        """The Ray node id of worker `slot_index`'s current actor."""
+        return self.slots[slot_index].node
 
     def warm_spares(self) -> int:
         """Spare actors that are up (process started, imports done): a replacement now takes no start-up."""

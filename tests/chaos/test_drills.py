@@ -55,6 +55,18 @@ def test_learner_kill_drill(tmp_path):
     assert d["detail"]["calm_rows"] == 3
 
 
+@pytest.mark.slow
+def test_node_loss_drill(tmp_path):
+    """A worker node of a local 3-node Ray cluster killed mid-decode, twice: the lost workers come back on a
+    surviving node, nothing committed is lost or sampled twice, every trajectory ends as in the calm decode."""
+    report = _report(_cli("node-loss", "--trials", 2, "--seed", 3, "--out", tmp_path, "--json"))
+    d = report["drills"][0]
+    assert d["verdict"] == "pass" and d["faults_injected"] == d["faults_survived"] == 2, d
+    assert d["tokens_lost"] == d["tokens_resampled"] == 0 and d["completion_rate"] == 1.0 and d["hashes_equal"], d
+    assert len(d["detail"]["committed_positions_at_each_kill"]) == 2 and all(d["detail"]["committed_positions_at_each_kill"])
+    assert d["detail"]["replacements"] >= 2 and 0 < d["recovery_p50_s"] < 60
+
+
 def test_list_and_bad_input():
     p = _cli("--list")
     assert p.returncode == 0 and all(name in p.stdout for name in DRILLS)

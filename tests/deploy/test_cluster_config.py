@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from bench._localcluster import free_port
+from rollout.local_cluster import free_port
 from core.errors import UserError
 from rollout.ray_cluster import Demand, check_schedulable, init_ray
 

@@ -1,5 +1,5 @@
 """postrain on a real multi-node Ray cluster on this machine: a head (no CPUs of its own) and two worker
-nodes, each its own raylet (bench/_localcluster.py). `ray job submit` of `postrain rollout` and of
+nodes, each its own raylet (rollout/local_cluster.py). `ray job submit` of `postrain rollout` and of
 `postrain grpo` completes with workers on both worker nodes; a worker node killed in the middle of a
 rollout loses no acknowledged token and the run ends with the calm run's token hashes; every process
 the cluster started is gone afterwards."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench._localcluster import LocalCluster, alive
+from rollout.local_cluster import LocalCluster, alive
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
