@@ -201,8 +201,12 @@ def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
                 got += n
             return crc32c.crc32c(view) == h.checksums[i]
 
-        with ThreadPoolExecutor(max(1, min(threads, len(h.checksums)))) as ex:
-            ok = all(ex.map(one, range(len(h.checksums))))
+        workers = min(threads, len(h.checksums))
+        if workers <= 1:  # one chunk (a small KV): a pool's thread start and hand-off would cost more than the read
+            ok = all(map(one, range(len(h.checksums))))
+        else:
+            with ThreadPoolExecutor(workers) as ex:
+                ok = all(ex.map(one, range(len(h.checksums))))
         if not ok:
             raise SnapshotRejected("corrupt", "checksum mismatch")
         if cuda:
