@@ -54,10 +54,12 @@ class RemoteStore:
         self.base = base.rstrip("/")
 
     def path(self, rel: str) -> str:
+        rel = rel.strip("/")
         return f"{self.base}/{rel}" if rel else self.base
 
     def url(self, rel: str) -> str:
         """`rel` as a URI, for messages."""
+        rel = rel.strip("/")
         return f"{self.uri}/{rel}" if rel else self.uri
 
     # -- one object ------------------------------------------------------------------------------
@@ -220,12 +222,15 @@ class RemoteStore:
     def probe(self) -> str:
         """Write, read back and delete a probe object; a line saying so, or UserError naming the URI."""
         rel, body = f".probe-{uuid.uuid4().hex}", uuid.uuid4().bytes
+        fresh = self.fs.get_file_info(self.base).type == pafs.FileType.NotFound
         self.put(rel, body)
         try:
             got = self.get(rel)
         finally:
             try:
                 self.delete(rel)
+                if fresh and not self.fs.get_file_info(pafs.FileSelector(self.base, allow_not_found=True)):
+                    self.fs.delete_dir(self.base)  # a check leaves nothing behind
             except _ERRORS as exc:
                 raise UserError(f"storage {self.url(rel)}: cannot delete ({_first_line(exc)})") from None
         if got != body:

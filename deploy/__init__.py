@@ -8,4 +8,5 @@ cluster files. It composes every other package; nothing imports it.
     job.py        the main job: the embedded-default pipeline (SFT, then eval on every domain)
     grpo_config.py  GRPOLoopConfig: learner, rollout and loop settings of `postrain grpo`
     grpo_loop.py  the GRPO loop: rollout pool -> verify -> data plane -> plan -> learner -> publish
+    run_storage.py  a run directory as a pyarrow.fs URI: local staging, checkpoints and reports published, resume
 """

@@ -113,14 +113,47 @@ def check_run_dir_visible(run_dir: Path, nodes: list[dict]) -> None:
                         f"path (or run on one machine without a cluster)")
 
 
+def check_uri_visible(uri: str, nodes: list[dict]) -> None:
+    """Every live node must read a probe object written here under `uri`, through pyarrow.fs."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dataplane.remote import RemoteStore
+
+    store = RemoteStore(uri)
+    name, body = f".node-probe-{uuid.uuid4().hex}", uuid.uuid4().hex
+    store.put(name, body.encode())
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def read(uri: str, name: str) -> str:
+        from dataplane.remote import RemoteStore
+
+        try:
+            return (RemoteStore(uri).get(name) or b"! missing").decode()
+        except Exception as exc:  # reported per node below
+            return f"! {exc}"
+
+    try:
+        refs = [read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["id"], soft=False)).remote(uri, name)
+                for n in nodes]
+        blind = [f"{n['ip']} ({n['id'][:8]}: {got[2:] if got.startswith('! ') else 'other bytes'})"
+                 for n, got in zip(nodes, ray.get(refs, timeout=120)) if got != body]
+    finally:
+        store.delete(name)
+    if blind:
+        raise UserError(f"run directory {uri} cannot be read from node(s) {', '.join(blind)}: give every node "
+                        "the filesystem's credentials and network access, or use storage they all reach")
+
+
 class ClusterRun:
     """The cluster side of one command (see module doc): `overrides` before its config is built, `start(cfg)` after;
     `close()` stops the services it started."""
 
-    def __init__(self, args, kind: str, run_dir: str | Path, tools: bool = False):
+    def __init__(self, args, kind: str, run_dir: str | Path, tools: bool = False, uri: str | None = None):
         named = getattr(args, "cluster", None) or os.environ.get(CLUSTER_ENV)
         self.c = load_cluster(getattr(args, "cluster", None))
         self.kind, self.run_dir, self.tools = kind, Path(run_dir), tools
+        self.uri = uri or None  # a pyarrow.fs URI run directory (run_dir is then its local staging directory)
         self.address = getattr(args, "ray_address", None) or self.c.ray.address or None
         self.services = None
         self.joined = bool(ray_cluster.named_address(self.address))
@@ -134,7 +167,10 @@ class ClusterRun:
         nodes = ray_cluster.live_nodes()
         ray_cluster.require_schedulable(demands(cfg))
         if self.joined and self.c.storage.check_nodes and len(nodes) > 1:
-            check_run_dir_visible(self.run_dir, nodes)
+            if self.uri:
+                check_uri_visible(self.uri, nodes)
+            else:
+                check_run_dir_visible(self.run_dir, nodes)
         catalog = getattr(getattr(cfg, "loop", None), "catalog", "") or self.c.storage.catalog
         if catalog.startswith("postgres"):
             from deploy.cluster_check import _catalog

@@ -3,8 +3,9 @@
 Checks: Ray (reachable, live nodes, the run's resource demands schedulable), the catalog (PostgreSQL
 answers `SELECT 1`), the WAL services (each shard answers Stats with the token), the sandbox
 services (each replica answers Info), and storage (the run directory writable and seen by every
-node; shard and snapshot URIs resolvable). A failed check is reported with the reason; any failure
-makes the command exit with one error line after the report.
+node; a URI run directory, shard and snapshot URIs: a probe object written, read back and deleted).
+A failed check is reported with the reason; any failure makes the command exit with one error line
+after the report.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from core.errors import UserError
 from deploy.cluster import (SANDBOX_TOKEN_ENV, WAL_TOKEN_ENV, ClusterRun, _mode, _resolve_node, check_run_dir_visible,
-                            demands)
+                            check_uri_visible, demands)
 from rollout import ray_cluster
 
 TIMEOUT_S = 5.0
@@ -120,17 +121,24 @@ def _uri(uri: str) -> str:
         if not os.access(p, os.W_OK):
             raise UserError(f"{uri}: not writable")
         return uri
-    import pyarrow.fs as pafs
+    from dataplane.remote import RemoteStore
 
-    try:
-        fs, path = pafs.FileSystem.from_uri(uri)
-        fs.get_file_info(path)
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{uri}: {exc}") from None
+    RemoteStore(uri).probe()
     return uri
 
 
 def _storage(run: ClusterRun, cfg, nodes: list[dict]) -> str:
+    extra = [_uri(u) for u in (run.c.storage.store, run.c.storage.snapshots, cfg.pool.snapshot_uri)
+             if u and not (run.uri and u.startswith(run.uri))]
+    extra = f"; {', '.join(dict.fromkeys(extra))} written and read back" if extra else ""
+    if run.uri:
+        from dataplane.remote import RemoteStore
+
+        line = f"run directory {RemoteStore(run.uri).probe()}"
+        if run.joined and len(nodes) > 1:
+            check_uri_visible(run.uri, nodes)
+            line += f", read by all {len(nodes)} nodes"
+        return line + extra
     created = [p for p in (run.run_dir, *run.run_dir.parents) if not p.exists()]  # removed again if left empty
     run.run_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -144,8 +152,7 @@ def _storage(run: ClusterRun, cfg, nodes: list[dict]) -> str:
         for p in created:
             if p.exists() and not any(p.iterdir()):
                 p.rmdir()
-    extra = [_uri(u) for u in (run.c.storage.store, run.c.storage.snapshots, cfg.pool.snapshot_uri) if u]
-    return f"run directory {run.run_dir} seen by {seen}" + (f"; {', '.join(dict.fromkeys(extra))} reachable" if extra else "")
+    return f"run directory {run.run_dir} seen by {seen}" + extra
 
 
 def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout) -> None:

@@ -139,8 +139,9 @@ class GRPOLoop:
 
     def __init__(self, cfg: GRPOLoopConfig, domain: str, init: str | Path, out: str | Path, iterations: int,
                  chaos_seed: int | None = None, resume: bool = False, quiet: bool = False,
-                 stop_after: int | None = None):
+                 stop_after: int | None = None, storage=None):
         check_config(cfg)
+        self.storage = storage  # deploy.run_storage.RunStorage of a URI run directory: checkpoints and reports go there too
         self.domains = [domain] if isinstance(domain, str) else list(domain)
         try:
             self.doms = [rewards.domain(d) for d in self.domains]
@@ -283,7 +284,9 @@ class GRPOLoop:
                     last_eval = self._evaluate(done, weights)
                 stop = done == self.stop_after
                 if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
-                    self.group.save_checkpoint(self.run.checkpoints, done)
+                    saved = self.group.save_checkpoint(self.run.checkpoints, done)
+                    if self.storage is not None:
+                        self.storage.publish_checkpoint(saved, keep=0 if lp.keep_data else lp.keep_checkpoints)
                     if self.retention is not None:
                         self.retention.after_checkpoint(done)
                 roll = nxt
@@ -303,6 +306,10 @@ class GRPOLoop:
         disk = {"run_dir_mb": self._run_dir_mb(), "run_dir_mb_max": self.run_dir_mb_max,
                 "keep_data": self.retention is None} | (self.retention.stats() if self.retention is not None else {})
         self.run.log(stage="disk", iteration=done, **disk)
+        if self.storage is not None:
+            if final:
+                self.storage.publish_final(final)
+            self.storage.publish_files()
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
@@ -445,5 +452,5 @@ class GRPOLoop:
 
 def run_grpo(cfg: GRPOLoopConfig, domain: str, init: str | Path, out: str | Path, iterations: int,
              chaos_seed: int | None = None, resume: bool = False, quiet: bool = False,
-             stop_after: int | None = None) -> dict:
-    return GRPOLoop(cfg, domain, init, out, iterations, chaos_seed, resume, quiet, stop_after).run_loop()
+             stop_after: int | None = None, storage=None) -> dict:
+    return GRPOLoop(cfg, domain, init, out, iterations, chaos_seed, resume, quiet, stop_after, storage).run_loop()

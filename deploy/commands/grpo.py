@@ -9,9 +9,11 @@ def add_arguments(p):
     p.add_argument("--domain", required=True, action="append",
                    help="task domain (see `postrain domains`); repeat it for one run over a mixture of domains "
                         "(their prompts in equal shares; per-domain config tables are then not applied)")
-    p.add_argument("--init", required=True, help="checkpoint to start from: an HF checkpoint directory or a run directory holding one as final/")
+    p.add_argument("--init", required=True, help="checkpoint to start from: an HF checkpoint directory or a run directory "
+                   "holding one as final/ (a path or a pyarrow.fs URI)")
     p.add_argument("--iterations", type=int, required=True, help="GRPO iterations in total (a resumed run counts the done ones)")
-    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/")
+    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/; a path or "
+                   "a pyarrow.fs URI (file:///abs/dir, s3://bucket/prefix, gs://..., hdfs://...)")
     p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
     p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed "
@@ -36,8 +38,11 @@ def run(args) -> int:
         tools = any(rewards.domain(d).uses_tools for d in args.domain)
     except rewards.UnknownDomain as exc:
         raise UserError(str(exc)) from None
-    cluster = ClusterRun(args, "grpo", args.out, tools=tools)
-    overrides = cluster.overrides + list(args.overrides)
+    from deploy.run_storage import RunStorage, local_checkpoint
+
+    storage = RunStorage(args.out)
+    cluster = ClusterRun(args, "grpo", storage.local, tools=tools, uri=storage.remote and storage.out)
+    overrides = cluster.overrides + storage.overrides("grpo") + list(args.overrides)
     path = args.config or default_config("grpo_loop")
     if len(args.domain) == 1:
         cfg = load_for_domain(path, args.domain[0], overrides)
@@ -54,15 +59,18 @@ def run(args) -> int:
     if args.keep_data:
         cfg.loop.keep_data = True
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
+    storage.prepare(args.resume)
+    init = local_checkpoint(args.init)
     cluster.start(cfg)
     try:
-        summary = run_grpo(cfg, domain, args.init, args.out, args.iterations, chaos_seed=args.chaos,
-                           resume=args.resume, quiet=args.quiet, stop_after=args.stop_after)
+        summary = run_grpo(cfg, domain, init, storage.local, args.iterations, chaos_seed=args.chaos,
+                           resume=args.resume, quiet=args.quiet, stop_after=args.stop_after, storage=storage)
     finally:
         cluster.close()
     if not args.quiet:
         evals = ", ".join(f"{e['iteration']}: {e['pass_at_1']:.3f}" for e in summary["eval"])
-        where = (f"final policy {summary['final']}" if summary["final"] else
+        final = f"{args.out}/final" if summary["final"] and storage.remote else summary["final"]
+        where = (f"final policy {final}" if final else
                  f"stopped after {summary['iterations_done']} of {summary['iterations']} iterations (continue with --resume)")
         print(f"grpo {'+'.join(args.domain)}: eval pass@1 by iteration {{{evals}}}; {where}, "
               f"metrics {args.out}/metrics.jsonl, curve {args.out}/grpo.png; run directory {summary['run_dir_mb']:.1f} MB "

@@ -6,7 +6,8 @@ HELP = "roll out N episodes of a domain with Ray workers that survive preemption
 
 
 def add_arguments(p):
-    p.add_argument("--checkpoint", required=True, help="HF causal-LM checkpoint directory, or a run directory holding one as final/")
+    p.add_argument("--checkpoint", required=True, help="HF causal-LM checkpoint directory, or a run directory holding one "
+                   "as final/ (a path or a pyarrow.fs URI)")
     p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
     p.add_argument("--n", type=int, default=16, help="episodes to roll out")
     p.add_argument("--workers", type=int, help="rollout workers (overrides pool.workers)")
@@ -14,7 +15,8 @@ def add_arguments(p):
     p.add_argument("--chaos", type=int, metavar="SEED", help="inject faults on a schedule drawn from SEED")
     p.add_argument("--faults", type=int, default=5, help="faults injected under --chaos (default 5: one of each kind); "
                    "a run that ends before all of them fired fails and says why")
-    p.add_argument("--out", required=True, help="run directory (must be empty or absent)")
+    p.add_argument("--out", required=True, help="run directory (must be empty or absent): a path or a pyarrow.fs URI "
+                   "(file:///abs/dir, s3://bucket/prefix, ...)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     add_config_args(p)
@@ -44,8 +46,12 @@ def run(args) -> int:
         tools = rewards.domain(args.domain).uses_tools
     except rewards.UnknownDomain as exc:
         raise UserError(str(exc)) from None
-    cluster = ClusterRun(args, "rollout", args.out, tools=tools)
-    cfg = config.load(RolloutConfig, args.config or default_config("rollout"), cluster.overrides + overrides)
+    from deploy.run_storage import RunStorage, local_checkpoint
+
+    storage = RunStorage(args.out)
+    cluster = ClusterRun(args, "rollout", storage.local, tools=tools, uri=storage.remote and storage.out)
+    cfg = config.load(RolloutConfig, args.config or default_config("rollout"),
+                      cluster.overrides + storage.overrides("rollout") + overrides)
     if args.dry_run:
         from deploy.cluster_check import check
 
@@ -57,11 +63,14 @@ def run(args) -> int:
         from chaos.schedule import schedule
 
         injector = PoolInjector(schedule(args.chaos, cfg.pool.workers, args.faults), seed=args.chaos)
+    storage.prepare()
+    checkpoint = local_checkpoint(args.checkpoint)
     cluster.start(cfg)
     try:
-        report = rollout_run(cfg, args.checkpoint, args.domain, args.n, args.out, observer=injector,
-                             spares=1 if injector else 0, quiet=args.quiet,
-                             catalog=cluster.c.storage.catalog, store=cluster.c.storage.store)
+        report = rollout_run(cfg, checkpoint, args.domain, args.n, storage.local, observer=injector,
+                             spares=1 if injector else 0, quiet=args.quiet, catalog=cluster.c.storage.catalog,
+                             store=cluster.c.storage.store or (f"{args.out}/store" if storage.remote else ""))
+        storage.publish_files()
     finally:
         cluster.close()
     faults = report["chaos"]["injected"] if injector else {}

@@ -1,0 +1,121 @@
+"""A run directory given as a `pyarrow.fs` URI (`--out s3://bucket/runs/calc`, `file:///shared/runs/calc`).
+
+The run works in a local staging directory (HF `save_pretrained`, SQLite and the plots need local
+paths) and publishes to the URI through `dataplane.remote`:
+  shards        URI/dataplane/store (grpo) or URI/store (rollout), written there directly
+  KV snapshots  URI/kv, written there directly
+  checkpoints   URI/checkpoints/iter_N/ (a committed tree: files, then MANIFEST.json), then URI/checkpoints/latest
+  final policy  URI/final/ (a committed tree)
+  reports       config.json, metrics.jsonl, report.json, PNGs: one object each, replaced whole
+`--resume` downloads the latest committed checkpoint (every file checked against its manifest) and the
+run files into the staging directory. A plain local `--out` is used as it is: nothing here runs.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from core.errors import UserError
+from dataplane.remote import MANIFEST, RemoteStore, is_uri
+
+STAGING_ENV = "POSTRAIN_STAGING"  # where staging directories go (default: the temp directory)
+RUN_FILES = ("grpo_run.json", "config.json", "metrics.jsonl", "report.json", "grpo.png", "rollout.png")
+
+
+def staging_root() -> Path:
+    return Path(os.environ.get(STAGING_ENV) or Path(tempfile.gettempdir()) / "postrain-staging")
+
+
+def _staging_for(uri: str, what: str) -> Path:
+    """One directory per URI, named as the URI's last part (a rollout's data-plane run takes that name)."""
+    name = uri.rstrip("/").rsplit("/", 1)[-1] or what
+    return staging_root() / f"{what}-{hashlib.sha256(uri.encode()).hexdigest()[:16]}" / name
+
+
+class RunStorage:
+    """`local`: where the run writes; `remote`: the URI's store, or None for a local run directory."""
+
+    def __init__(self, out: str):
+        self.out = str(out)
+        self.remote = RemoteStore(self.out) if is_uri(out) else None
+        self.local = _staging_for(self.out, "run") if self.remote else Path(out)
+
+    def overrides(self, kind: str) -> list[str]:
+        """Shards and KV snapshots straight to the URI (laid under the user's own --set)."""
+        if self.remote is None:
+            return []
+        out = [f"pool.snapshot_uri={self.out}/kv"]
+        if kind in ("grpo", "opd"):
+            out.append(f"loop.store={self.out}/dataplane/store")
+        return out
+
+    def prepare(self, resume: bool = False) -> None:
+        """A fresh run needs an empty URI; a resumed one gets its run files and latest checkpoint back."""
+        if self.remote is None:
+            return
+        held = [k for k in self.remote.list("", recursive=False)] + self.remote.dirs("")
+        if not resume:
+            if held:
+                raise UserError(f"run directory {self.out} is not empty ({', '.join(held[:3])}...); pick a fresh "
+                                "--out or pass --resume")
+            if self.local.exists():
+                shutil.rmtree(self.local)
+            self.local.mkdir(parents=True)
+            return
+        self.local.mkdir(parents=True, exist_ok=True)  # same machine: the SQLite catalog and WALs are kept
+        for name in RUN_FILES:
+            data = self.remote.get(name)
+            if data is not None:
+                (self.local / name).write_bytes(data)
+        ckpts = self.local / "checkpoints"
+        if ckpts.exists():  # the URI is the truth: what was published
+            shutil.rmtree(ckpts)
+        name = self.remote.latest_tree("checkpoints")
+        if name is not None:
+            self.remote.download_tree(f"checkpoints/{name}", ckpts / name)
+            (ckpts / "latest").write_text(name)
+
+    def publish_checkpoint(self, path: str | Path, keep: int = 0) -> None:
+        """A local learner checkpoint as URI/checkpoints/NAME, then the run files; older ones beyond `keep` go."""
+        if self.remote is None:
+            return
+        path = Path(path)
+        self.remote.publish_tree("checkpoints", path.name, path)
+        self.publish_files()
+        if keep:
+            committed = [d for d in self.remote.dirs("checkpoints") if self.remote.exists(f"checkpoints/{d}/{MANIFEST}")]
+            for old in committed[:-keep]:
+                if old != path.name:
+                    self.remote.delete(f"checkpoints/{old}/{MANIFEST}")  # un-committed first
+                    self.remote.fs.delete_dir(self.remote.path(f"checkpoints/{old}"))
+
+    def publish_final(self, path: str | Path) -> None:
+        if self.remote is not None:
+            self.remote.upload_tree(path, "final")
+
+    def publish_files(self) -> None:
+        if self.remote is None:
+            return
+        for name in RUN_FILES:
+            p = self.local / name
+            if p.is_file():
+                self.remote.put(name, p.read_bytes())
+
+
+def local_checkpoint(spec: str | Path) -> str:
+    """`--init` / `--checkpoint` as a local path: a URI's committed tree (itself, or its final/) is downloaded
+    into the staging area with every file checked against its manifest; a local path is returned as it is."""
+    spec = str(spec)
+    if not is_uri(spec):
+        return spec
+    store = RemoteStore(spec)
+    for rel in ("", "final"):
+        if store.manifest(rel) is not None:
+            dest = _staging_for(f"{spec}/{rel}", "checkpoint")
+            store.download_tree(rel, dest)
+            return str(dest)
+    raise UserError(f"checkpoint {spec}: no committed checkpoint there (no {MANIFEST} in it or in its final/); "
+                    "expected the URI of a run directory or of a checkpoint published by postrain")

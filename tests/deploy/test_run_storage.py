@@ -1,0 +1,115 @@
+"""A run directory as a pyarrow.fs URI (`file://` through pyarrow's LocalFileSystem): a fresh run needs an
+empty URI, checkpoints and run files are published there and come back verified on resume (on another
+machine: a fresh staging directory), `--init` reads a committed checkpoint; a GRPO run stopped after a
+checkpoint and resumed from the URI alone repeats the uninterrupted run's metrics."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from core.errors import UserError
+from dataplane.errors import ChecksumError
+from dataplane.remote import RemoteStore
+from deploy.run_storage import STAGING_ENV, RunStorage, local_checkpoint
+
+
+def _ckpt(d, tag: str):
+    (d / "model").mkdir(parents=True)
+    (d / "model" / "model.safetensors").write_bytes(tag.encode() * 64)
+    (d / "state.json").write_text(json.dumps({"tag": tag}))
+    return d
+
+
+def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
+    uri = f"file://{tmp_path}/runs/a"
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine1"))
+    s = RunStorage(uri)
+    assert s.local.parent.parent == tmp_path / "machine1" and s.local.name == "a" and s.overrides("grpo") == [
+        f"pool.snapshot_uri={uri}/kv", f"loop.store={uri}/dataplane/store"]
+    s.prepare()
+    (s.local / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    for i in (1, 2, 3):
+        s.publish_checkpoint(_ckpt(s.local / "checkpoints" / f"iter_0000000{i}", str(i)), keep=2)
+    remote = RemoteStore(uri)
+    assert [d for d in remote.dirs("checkpoints")] == ["iter_00000002", "iter_00000003"]  # keep=2
+    with pytest.raises(UserError, match=f"run directory {uri} is not empty"):
+        RunStorage(uri).prepare()
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # another machine resumes from the URI alone
+    r = RunStorage(uri)
+    r.prepare(resume=True)
+    assert (r.local / "checkpoints" / "latest").read_text() == "iter_00000003"
+    assert json.loads((r.local / "checkpoints" / "iter_00000003" / "state.json").read_text()) == {"tag": "3"}
+    assert (r.local / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
+    # a checkpoint file damaged in storage: the resume refuses it instead of loading it
+    remote.put("checkpoints/iter_00000003/model/model.safetensors", b"x" * 64)
+    with pytest.raises(ChecksumError, match="iter_00000003/model/model.safetensors: sha256 or size differs"):
+        RunStorage(uri).prepare(resume=True)
+
+
+def test_local_checkpoint_reads_committed_trees_only(tmp_path, monkeypatch):
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / "stage"))
+    assert local_checkpoint(str(tmp_path / "plain")) == str(tmp_path / "plain")  # a path is left alone
+    remote = RemoteStore(f"file://{tmp_path}/store")
+    remote.upload_tree(_ckpt(tmp_path / "src", "A"), "base")
+    got = local_checkpoint(f"file://{tmp_path}/store/base")
+    assert json.loads(open(f"{got}/state.json").read()) == {"tag": "A"}
+    remote.upload_tree(_ckpt(tmp_path / "src2", "B"), "run/final")  # a run directory's final/
+    assert json.loads(open(f"{local_checkpoint(f'file://{tmp_path}/store/run')}/state.json").read()) == {"tag": "B"}
+    shutil.copytree(tmp_path / "src", tmp_path / "store" / "unpublished")  # files without a manifest
+    with pytest.raises(UserError, match="checkpoint file://.*/unpublished: no committed checkpoint there"):
+        local_checkpoint(f"file://{tmp_path}/store/unpublished")
+
+
+def test_dry_run_probes_the_uri(tmp_path):
+    from tests.deploy.test_cluster_config import postrain
+
+    args = ["grpo", "--domain", "reverse", "--init", "x", "--iterations", "1", "--dry-run", "--out"]
+    res = postrain(*args, f"file://{tmp_path}/run")
+    assert res.returncode == 0, res.stderr
+    line = [ln for ln in res.stdout.splitlines() if ln.split()[0] == "storage"][0]
+    assert f"ok      run directory file://{tmp_path}/run (local): probe object written, read back, deleted" in line
+    assert not (tmp_path / "run").exists(), "a dry run leaves nothing behind"
+    res = postrain(*args, "file:///proc/postrain-run")
+    assert res.returncode == 2 and "storage   FAILED  storage file:///proc/postrain-run/.probe-" in res.stdout
+    assert "cannot write" in res.stdout and "1 of 4 checks failed (storage)" in res.stderr
+
+
+@pytest.mark.slow
+def test_grpo_resumed_from_a_uri_repeats_the_uninterrupted_run(tmp_path, monkeypatch, reverse_base, uninterrupted):
+    from deploy.grpo_loop import run_grpo
+    from tests.deploy.test_grpo_loop import _cfg, _rows, _seeded
+
+    uri = f"file://{tmp_path}/uri-run"
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine1"))
+    s = RunStorage(uri)
+    s.prepare()
+    first = run_grpo(_cfg(*s.overrides("grpo")), "reverse", reverse_base, s.local, iterations=2, quiet=True,
+                     stop_after=1, storage=s)
+    assert first["iterations_done"] == 1
+    remote = RemoteStore(uri)
+    assert remote.latest_tree("checkpoints") == "iter_00000001"
+    assert remote.list("dataplane/store/shards", recursive=True) and remote.exists("metrics.jsonl")
+    monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # resumed from what the URI holds
+    r = RunStorage(uri)
+    r.prepare(resume=True)
+    run_grpo(_cfg(*r.overrides("grpo")), "reverse", reverse_base, r.local, iterations=2, quiet=True, resume=True,
+             storage=r)
+    got = tmp_path / "got"
+    got.mkdir()
+    (got / "metrics.jsonl").write_bytes(remote.get("metrics.jsonl"))
+    assert [_seeded(x) for x in _rows(uninterrupted, "train")] == [_seeded(x) for x in _rows(got, "train")]
+    assert remote.manifest("final") is not None and remote.latest_tree("checkpoints") == "iter_00000002"
+
+
+def test_storage_verb_pushes_and_pulls_a_checkpoint(tmp_path, capsys):
+    from deploy.cli import main
+
+    uri = f"file://{tmp_path}/s/base"
+    assert main(["storage", "push", str(_ckpt(tmp_path / "src", "A")), uri]) == 0
+    assert main(["storage", "pull", uri, str(tmp_path / "got")]) == 0
+    assert json.loads((tmp_path / "got" / "state.json").read_text()) == {"tag": "A"}
+    assert main(["storage", "check", uri]) == 0
+    out = capsys.readouterr().out
+    assert f"2 files, 76 bytes -> {uri} (committed)" in out and "sha256 verified" in out
