@@ -117,17 +117,17 @@ class RemoteStore:
             pass
 
     # -- trees with a manifest -------------------------------------------------------------------
-    def upload_tree(self, local: str | Path, rel: str, between_files=None) -> dict:
-        """Every file under local directory `local` to `rel/`, then `rel/MANIFEST.json` last.
-        `between_files(i)` is called after the i-th file (fault drills stop the upload there)."""
+    def upload_tree(self, local: str | Path, rel: str, between_files=None, extra: dict[str, Path] | None = None) -> dict:
+        """Every file under local directory `local` (and the files of `extra`, by key) to `rel/`, then
+        `rel/MANIFEST.json` last. `between_files(i)` is called after the i-th file (fault drills stop there)."""
         local = Path(local)
-        files = sorted(p for p in local.rglob("*") if p.is_file())
+        files = [(p.relative_to(local).as_posix(), p) for p in sorted(local.rglob("*")) if p.is_file()]
+        files += sorted((extra or {}).items())
         if not files:
             raise UserError(f"upload {local} -> {self.url(rel)}: no files to upload")
         self.delete(f"{rel}/{MANIFEST}")  # uncommitted while its files change
         entries = {}
-        for i, p in enumerate(files):
-            key = p.relative_to(local).as_posix()
+        for i, (key, p) in enumerate(files):
             entries[key] = self._upload_file(p, f"{rel}/{key}")
             if between_files is not None:
                 between_files(i)
@@ -203,9 +203,10 @@ class RemoteStore:
         os.replace(tmp, local)
         return m
 
-    def publish_tree(self, prefix: str, name: str, local: str | Path, between_files=None) -> str:
-        """`local` as committed tree `prefix/name`, then `prefix/latest` names it; returns its key."""
-        self.upload_tree(local, f"{prefix}/{name}", between_files)
+    def publish_tree(self, prefix: str, name: str, local: str | Path, between_files=None,
+                     extra: dict[str, Path] | None = None) -> str:
+        """`local` (+ `extra`) as committed tree `prefix/name`, then `prefix/latest` names it; returns its key."""
+        self.upload_tree(local, f"{prefix}/{name}", between_files, extra)
         self.put(f"{prefix}/latest", name.encode())
         return f"{prefix}/{name}"
 

@@ -285,10 +285,10 @@ class GRPOLoop:
                 stop = done == self.stop_after
                 if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
                     saved = self.group.save_checkpoint(self.run.checkpoints, done)
-                    if self.storage is not None:
-                        self.storage.publish_checkpoint(saved, keep=0 if lp.keep_data else lp.keep_checkpoints)
                     if self.retention is not None:
                         self.retention.after_checkpoint(done)
+                    if self.storage is not None:
+                        self.storage.publish_checkpoint(saved, keep=0 if lp.keep_data else lp.keep_checkpoints)
                 roll = nxt
                 if stop or done == self.iterations:
                     break

@@ -8,10 +8,12 @@ paths) and publishes to the URI through `dataplane.remote`:
   final policy  URI/final/ (a committed tree)
   reports       config.json, metrics.jsonl, report.json, PNGs: one object each, replaced whole
 `--resume` downloads the latest committed checkpoint (every file checked against its manifest) and the
-run files into the staging directory. A plain local `--out` is used as it is: nothing here runs.
+run files into the staging directory; a SQLite catalog travels inside each checkpoint (a consistent
+copy), so a resume on another machine sees the batches the checkpoint saw. A plain local `--out` is used as it is: nothing here runs.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -22,6 +24,7 @@ from core.errors import UserError
 from dataplane.remote import MANIFEST, RemoteStore, is_uri
 
 STAGING_ENV = "POSTRAIN_STAGING"  # where staging directories go (default: the temp directory)
+CATALOG = "catalog.db"  # the SQLite catalog's name inside a published checkpoint
 RUN_FILES = ("grpo_run.json", "config.json", "metrics.jsonl", "report.json", "grpo.png", "rollout.png")
 
 
@@ -42,6 +45,7 @@ class RunStorage:
         self.out = str(out)
         self.remote = RemoteStore(self.out) if is_uri(out) else None
         self.local = _staging_for(self.out, "run") if self.remote else Path(out)
+        self.catalog: Path | None = None  # a SQLite catalog in the staging directory: published with each checkpoint
 
     def overrides(self, kind: str) -> list[str]:
         """Shards and KV snapshots straight to the URI (laid under the user's own --set)."""
@@ -56,7 +60,7 @@ class RunStorage:
         """A fresh run needs an empty URI; a resumed one gets its run files and latest checkpoint back."""
         if self.remote is None:
             return
-        held = [k for k in self.remote.list("", recursive=False)] + self.remote.dirs("")
+        held = self.remote.list("") + self.remote.dirs("")
         if not resume:
             if held:
                 raise UserError(f"run directory {self.out} is not empty ({', '.join(held[:3])}...); pick a fresh "
@@ -65,6 +69,8 @@ class RunStorage:
                 shutil.rmtree(self.local)
             self.local.mkdir(parents=True)
             return
+        if not held:
+            raise UserError(f"--resume: run directory {self.out} holds nothing to resume")
         self.local.mkdir(parents=True, exist_ok=True)  # same machine: the SQLite catalog and WALs are kept
         for name in RUN_FILES:
             data = self.remote.get(name)
@@ -77,13 +83,27 @@ class RunStorage:
         if name is not None:
             self.remote.download_tree(f"checkpoints/{name}", ckpts / name)
             (ckpts / "latest").write_text(name)
+            if self.catalog is not None and (ckpts / name / CATALOG).is_file():  # the catalog as of that checkpoint
+                self.catalog.parent.mkdir(parents=True, exist_ok=True)
+                for side in ("-wal", "-shm"):  # an older log must not be replayed into it
+                    Path(f"{self.catalog}{side}").unlink(missing_ok=True)
+                os.replace(ckpts / name / CATALOG, self.catalog)
 
     def publish_checkpoint(self, path: str | Path, keep: int = 0) -> None:
         """A local learner checkpoint as URI/checkpoints/NAME, then the run files; older ones beyond `keep` go."""
         if self.remote is None:
             return
         path = Path(path)
-        self.remote.publish_tree("checkpoints", path.name, path)
+        extra = {}
+        if self.catalog is not None and self.catalog.is_file():
+            copy = self.local / f".{CATALOG}.publish"
+            _sqlite_copy(self.catalog, copy)
+            extra[CATALOG] = copy
+        try:
+            self.remote.publish_tree("checkpoints", path.name, path, extra=extra)
+        finally:
+            for p in extra.values():
+                p.unlink(missing_ok=True)
         self.publish_files()
         if keep:
             committed = [d for d in self.remote.dirs("checkpoints") if self.remote.exists(f"checkpoints/{d}/{MANIFEST}")]
@@ -103,6 +123,15 @@ class RunStorage:
             p = self.local / name
             if p.is_file():
                 self.remote.put(name, p.read_bytes())
+
+
+def _sqlite_copy(src: Path, dst: Path) -> None:
+    """A consistent copy of a live SQLite database (the backup API; writers may hold it meanwhile)."""
+    import sqlite3
+
+    dst.unlink(missing_ok=True)
+    with contextlib.closing(sqlite3.connect(src)) as a, contextlib.closing(sqlite3.connect(dst)) as b:
+        a.backup(b)
 
 
 def local_checkpoint(spec: str | Path) -> str:

@@ -59,6 +59,8 @@ def run(args) -> int:
     if args.keep_data:
         cfg.loop.keep_data = True
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
+    if storage.remote is not None and not cfg.loop.catalog:
+        storage.catalog = storage.local / "dataplane" / "catalog.db"  # the loop's default
     storage.prepare(args.resume)
     init = local_checkpoint(args.init)
     cluster.start(cfg)

@@ -30,7 +30,13 @@ def run(args) -> int:
     from distill.teachers import parse_teacher_arg
 
     teachers = [parse_teacher_arg(t) for t in args.teacher]
+    from core.errors import UserError
+    from dataplane.remote import is_uri
     from deploy.cluster import ClusterRun
+
+    if any(is_uri(p) for p in (args.out, args.student, *(t[1] for t in teachers))):
+        raise UserError("opd: pyarrow.fs URIs for --out, --student and --teacher are not supported yet (grpo and "
+                        "rollout take them); use a path every node mounts")
 
     cluster = ClusterRun(args, "opd", args.out, tools=True)
     cfg = config.load(OPDLoopConfig, args.config or default_config("opd"), cluster.overrides + list(args.overrides))

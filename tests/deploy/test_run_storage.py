@@ -4,8 +4,10 @@ machine: a fresh staging directory), `--init` reads a committed checkpoint; a GR
 checkpoint and resumed from the URI alone repeats the uninterrupted run's metrics."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import sqlite3
 
 import pytest
 
@@ -13,6 +15,7 @@ from core.errors import UserError
 from dataplane.errors import ChecksumError
 from dataplane.remote import RemoteStore
 from deploy.run_storage import STAGING_ENV, RunStorage, local_checkpoint
+from tests.deploy.test_grpo_loop import _cfg, _rows, _seeded, uninterrupted  # noqa: F401  (the fixture)
 
 
 def _ckpt(d, tag: str):
@@ -28,8 +31,12 @@ def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
     s = RunStorage(uri)
     assert s.local.parent.parent == tmp_path / "machine1" and s.local.name == "a" and s.overrides("grpo") == [
         f"pool.snapshot_uri={uri}/kv", f"loop.store={uri}/dataplane/store"]
+    s.catalog = s.local / "dataplane" / "catalog.db"
     s.prepare()
     (s.local / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    s.catalog.parent.mkdir()
+    with contextlib.closing(sqlite3.connect(s.catalog)) as db:
+        db.executescript("pragma journal_mode=wal; create table t(x); insert into t values (7);")
     for i in (1, 2, 3):
         s.publish_checkpoint(_ckpt(s.local / "checkpoints" / f"iter_0000000{i}", str(i)), keep=2)
     remote = RemoteStore(uri)
@@ -38,7 +45,11 @@ def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
         RunStorage(uri).prepare()
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # another machine resumes from the URI alone
     r = RunStorage(uri)
+    r.catalog = r.local / "dataplane" / "catalog.db"
     r.prepare(resume=True)
+    with contextlib.closing(sqlite3.connect(r.catalog)) as db:  # the catalog came with the checkpoint
+        assert db.execute("select x from t").fetchall() == [(7,)]
+    assert not (r.local / "checkpoints" / "iter_00000003" / "catalog.db").exists()
     assert (r.local / "checkpoints" / "latest").read_text() == "iter_00000003"
     assert json.loads((r.local / "checkpoints" / "iter_00000003" / "state.json").read_text()) == {"tag": "3"}
     assert (r.local / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
@@ -79,11 +90,11 @@ def test_dry_run_probes_the_uri(tmp_path):
 @pytest.mark.slow
 def test_grpo_resumed_from_a_uri_repeats_the_uninterrupted_run(tmp_path, monkeypatch, reverse_base, uninterrupted):
     from deploy.grpo_loop import run_grpo
-    from tests.deploy.test_grpo_loop import _cfg, _rows, _seeded
 
     uri = f"file://{tmp_path}/uri-run"
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine1"))
     s = RunStorage(uri)
+    s.catalog = s.local / "dataplane" / "catalog.db"
     s.prepare()
     first = run_grpo(_cfg(*s.overrides("grpo")), "reverse", reverse_base, s.local, iterations=2, quiet=True,
                      stop_after=1, storage=s)
@@ -93,7 +104,9 @@ def test_grpo_resumed_from_a_uri_repeats_the_uninterrupted_run(tmp_path, monkeyp
     assert remote.list("dataplane/store/shards", recursive=True) and remote.exists("metrics.jsonl")
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # resumed from what the URI holds
     r = RunStorage(uri)
+    r.catalog = r.local / "dataplane" / "catalog.db"
     r.prepare(resume=True)
+    assert r.catalog.is_file()  # the catalog as of the checkpoint, from the URI
     run_grpo(_cfg(*r.overrides("grpo")), "reverse", reverse_base, r.local, iterations=2, quiet=True, resume=True,
              storage=r)
     got = tmp_path / "got"
