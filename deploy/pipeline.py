@@ -339,6 +339,12 @@ class Pipeline:
         c = self.cfg.merge
         teachers = {dom: self._output("specialists", dom) for dom in self.cfg.pipeline.domains}
         student = self._output("sft", "base") if c.init == "base" else Path(c.init)
+        if all(t == student for t in teachers.values()):
+            self._say("merge: every domain's teacher is the student itself (no specialist was trained); "
+                      "the merged model is the student")
+            d.mkdir(parents=True, exist_ok=True)
+            return {"merged": student}, {"teachers": {k: str(v) for k, v in teachers.items()},
+                                         "skipped": "every teacher is the student"}
         out = d / "run"
         done = d / "done.json"
         if done.is_file() and (out / "final").is_dir():

@@ -144,6 +144,16 @@ def test_a_missing_teacher_fails_before_any_stage(tmp_path):
     assert res.returncode == 2 and "teacher for calc (/nonexistent/teacher) does not exist" in res.stderr, res.stderr
 
 
+def test_a_base_good_on_every_domain_trains_no_specialist_and_merges_nothing(tmp_path):
+    res = pipeline(tmp_path, "--name", "strong", "--set", "quick.specialists.skip_at=0.0")
+    assert "the merged model is the student" in res.stdout + res.stderr
+    run = tmp_path / "strong"
+    rep = json.loads((run / "report.json").read_text())
+    assert rep["trained"] == [] and set(rep["pass_at_1"]) == {"base", "merged"}
+    assert rep["pass_at_1"]["merged"] == rep["pass_at_1"]["base"]
+    assert not (run / "merge" / "run").exists()  # no OPD process ran
+
+
 def test_report_regenerates_from_a_run_directory(calm, tmp_path):
     (calm / "report.json").unlink()
     res = subprocess.run([sys.executable, "-m", "deploy.cli", "report", str(calm), "--json"], capture_output=True,
