@@ -9,8 +9,10 @@ no [N, N] mask is ever built. Backends:
              torch >= 2.10), one launch per layer for the whole pack, GQA without repeated heads.
   sdpa_docs  `F.scaled_dot_product_attention(is_causal=True)` once per sequence (flash backend on
              CUDA in bf16; any device), a launch per sequence.
-`pick_backend("auto")`: varlen on CUDA when torch has it, else sdpa_docs on CUDA; on CPU the
-model's own attention (HF builds a block-diagonal mask from the position ids), i.e. None.
+`pick_backend("auto")`: varlen on CUDA when torch has it and the compute dtype is bf16/fp16 (the
+kernel takes nothing else), else sdpa_docs on CUDA; on CPU the model's own attention (HF builds a
+block-diagonal mask from the position ids), i.e. None. A varlen call that meets fp32 tensors anyway
+(autocast off, an fp32 model) runs the sdpa_docs path instead.
 """
 from __future__ import annotations
 
@@ -33,18 +35,26 @@ def varlen_available() -> bool:
     return torch.cuda.is_available()
 
 
-def pick_backend(setting: str, device: torch.device) -> str | None:
-    """The backend for `setting` ('auto', 'hf', or one of BACKENDS) on `device`; None = the model's own."""
+HALF = (torch.bfloat16, torch.float16)  # what the flash-attention varlen kernel takes
+
+
+def pick_backend(setting: str, device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    """The backend for `setting` ('auto', 'hf', or one of BACKENDS) on `device` with attention computed in
+    `dtype` (None: bf16/fp16, as under the learner's autocast); None = the model's own."""
+    half = dtype is None or dtype in HALF
     if setting == "hf":
         return None
     if setting == "auto":
         if device.type != "cuda":
             return None
-        return "varlen" if varlen_available() else "sdpa_docs"
+        return "varlen" if half and varlen_available() else "sdpa_docs"
     if setting not in BACKENDS:
         raise ValueError(f"attention backend {setting!r} not in {('auto', 'hf') + BACKENDS}")
     if setting == "varlen" and not (device.type == "cuda" and varlen_available()):
         raise ValueError("attention 'varlen' needs CUDA and torch.nn.attention.varlen (torch >= 2.10)")
+    if setting == "varlen" and not half:
+        raise ValueError(f"attention 'varlen' takes bf16/fp16 only, not {dtype}: enable learner.bf16 or use "
+                         "'sdpa_docs'")
     return setting
 
 
@@ -79,19 +89,24 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     if dropout:
         raise ValueError("packed attention has no dropout")
     backend = kwargs["postrain_backend"]
+    bounds = kwargs.get("postrain_bounds")
     if backend == "varlen":
-        if _VARLEN is None:
-            _VARLEN = _varlen_call()
         # The kernel takes bf16/fp16 only and, being a custom op, is not cast by autocast (RoPE's fp32
         # cos/sin promote q and k to fp32): cast to the autocast dtype, as autocast does for sdpa.
         dev = query.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
-        q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [N, H, D]
-        out_NHD = _VARLEN(q, k, v, cu_S1, kwargs["max_length_q"], scaling)
-        return out_NHD[None], None
+        if dtype in HALF:
+            if _VARLEN is None:
+                _VARLEN = _varlen_call()
+            q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [N, H, D]
+            out_NHD = _VARLEN(q, k, v, cu_S1, kwargs["max_length_q"], scaling)
+            return out_NHD[None], None
+        # fp32 (no autocast, an fp32 model): the kernel cannot take it; the per-sequence path can.
+        cu = cu_S1.tolist()
+        bounds = list(zip(cu[:-1], cu[1:]))
     # sdpa_docs: one causal attention per sequence (bounds are host ints, read once per forward).
     outs = []
-    for a, b in kwargs["postrain_bounds"]:
+    for a, b in bounds:
         outs.append(F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b],
                                                    is_causal=True, scale=scaling,
                                                    enable_gqa=key.shape[1] != query.shape[1]))

@@ -310,7 +310,7 @@ class Learner(Optimised):
     def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, collectives: Collectives | None = None,
                  ref_model: torch.nn.Module | None = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
                  attention: str = "auto", compile: bool | None = None, merge_micro_batches: bool | None = None):
-        """`attention`: 'auto' (flash varlen on CUDA, the model's own on CPU), 'hf' (the model's own), or a
+        """`attention`: 'auto' (flash varlen on CUDA in bf16, per-sequence SDPA on CUDA in fp32, the model's own on CPU), 'hf' (the model's own), or a
         learner.packed_attention backend. `compile`: torch.compile each decoder layer; None = on CUDA.
         `merge_micro_batches`: consecutive packs that fit `micro_batch_tokens` together run as one
         micro-batch (fewer, larger launches; the update is the same, the normalisers being global);
@@ -318,7 +318,11 @@ class Learner(Optimised):
         self.cfg = cfg
         self.device = pick_device(cfg.learner.device)
         self.model = model.to(self.device)
-        self.attention = pick_backend(attention, self.device)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" and cfg.learner.bf16
+                         else contextlib.nullcontext())
+        compute_dtype = (torch.bfloat16 if isinstance(self.autocast, torch.autocast)
+                         else next(self.model.parameters()).dtype)
+        self.attention = pick_backend(attention, self.device, compute_dtype)
         self.merge_micro_batches = (merge_micro_batches if merge_micro_batches is not None
                                     else self.device.type == "cuda")
         if compile if compile is not None else self.device.type == "cuda":
@@ -337,8 +341,6 @@ class Learner(Optimised):
                     if ref_model else None)
         self.opts = cfg.loss.options()
         self.init_optimiser()
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" and cfg.learner.bf16
-                         else contextlib.nullcontext())
 
     # -- the step ---------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[PackedBatch]) -> dict[str, float]:

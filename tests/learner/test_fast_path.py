@@ -94,3 +94,7 @@ def test_backend_choice():
         pick_backend("varlen", cpu)
     with pytest.raises(ValueError, match="not in"):
         pick_backend("flash9", cpu)
+    # fp32 attention (learner.bf16 = false, an fp32 model) never gets the bf16/fp16-only varlen kernel
+    cuda = torch.device("cuda", 0)
+    assert pick_backend("auto", cuda, torch.float32) == "sdpa_docs"
+    assert pick_backend("sdpa_docs", cuda, torch.float32) == "sdpa_docs"

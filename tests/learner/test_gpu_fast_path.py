@@ -54,3 +54,36 @@ def test_fast_step_matches_plain_step(monkeypatch):
         assert m1[key] == pytest.approx(m0[key], rel=2e-2, abs=1e-3), key
     cos = torch.nn.functional.cosine_similarity(g0, g1, dim=0)
     assert cos > 0.999 and (g1.norm() / g0.norm() - 1).abs() < 2e-2
+
+
+def test_fp32_learner_on_cuda_takes_a_kernel_that_runs_fp32():
+    """learner.bf16 = false with an fp32 model: attention runs in fp32, which the varlen kernel refuses;
+    the step must still run (per-sequence SDPA) and match the model's own attention."""
+    base, tok = build_policy(SMALL)
+    packs = [synthetic_packed_batch(len(tok), [60, 90, 31], seed=0), synthetic_packed_batch(len(tok), [100, 77], seed=1)]
+    cfg = config(learner={"device": "cuda", "bf16": False, "logprob_chunk_rows": 64, "micro_batch_tokens": 512})
+    out = []
+    for attention in ("hf", "auto"):
+        model = copy.deepcopy(base)
+        learner = Learner(model, cfg, attention=attention, compile=False, merge_micro_batches=True)
+        if attention == "auto":
+            assert learner.attention == "sdpa_docs"
+        m = learner.accumulate_gradients(packs)
+        out.append((m["loss"], torch.cat([p.grad.flatten() for p in model.parameters()])))
+    (l0, g0), (l1, g1) = out
+    assert l1 == pytest.approx(l0, rel=1e-4, abs=1e-6)
+    torch.testing.assert_close(g1, g0, rtol=1e-3, atol=1e-5)
+
+
+def test_varlen_call_on_fp32_tensors_falls_back_to_per_sequence_sdpa():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, cu = 200, torch.tensor([0, 37, 150, 200], device="cuda")
+    q = torch.randn(1, 4, n, 32, device="cuda", generator=g)
+    k, v = (torch.randn(1, 2, n, 32, device="cuda", generator=g) for _ in range(2))
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist()))
+    kw = dict(cu_seq_lens_q=cu.int(), max_length_q=113)
+    got, _ = packed_attention_forward(None, q, k, v, None, 32 ** -0.5, postrain_backend="varlen", **kw)
+    want, _ = packed_attention_forward(None, q, k, v, None, 32 ** -0.5, postrain_backend="sdpa_docs",
+                                       postrain_bounds=bounds, **kw)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want)
