@@ -130,8 +130,9 @@ def iteration_tokens(cfg, tok, iterations: int) -> list[int]:
             for k in range(iterations)]
 
 
-def run_ours(ckpt: Path, cfg, out: Path, iterations: int) -> dict:
-    """`iterations` GRPO iterations of the loop's stage code in one process; the time of each."""
+def run_ours(ckpt: Path, cfg, out: Path, iterations: int, progress=None) -> dict:
+    """`iterations` GRPO iterations of the loop's stage code in one process; the time of each
+    (`progress(result so far)` after each)."""
     import dataplane
     from deploy.grpo_loop import GRPOLoop, _IterationSink, batch_name
     from learner.group import LearnerGroup
@@ -177,6 +178,8 @@ def run_ours(ckpt: Path, cfg, out: Path, iterations: int) -> dict:
                          "completion_len_min": min(lengths), "completion_len_max": max(lengths),
                          "reward_mean": train["reward_mean"]})
             _log(f"ours iteration {k}: {times[-1]:.3f} s (rollout {t_roll - t0:.3f} s)")
+            if progress is not None:
+                progress({"times_s": times, "iterations": rows})
     finally:
         worker.close()
         loop.group.close()
@@ -285,8 +288,9 @@ def run_part(args) -> None:
     """One side in this process (`--part ours` or `--part trl:VARIANT`); raw times to `--part-out`."""
     cuda, _, _, _, ckpt, cfg, _ = _setup(args)
     work = Path(args.work)
-    if args.part == "ours":
-        out = run_ours(ckpt, cfg, work / "ours", args.iterations)
+    if args.part == "ours":  # written after every iteration: a side cut short keeps the iterations it finished
+        out = run_ours(ckpt, cfg, work / "ours", args.iterations,
+                       lambda partial: Path(args.part_out).write_text(json.dumps(partial)))
     else:
         variant = args.part.split(":", 1)[1]
         out = run_trl(ckpt, cfg, work / f"trl-{variant}", args.iterations, variant, cuda)
@@ -347,11 +351,16 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "bench.grpo_iteration", "--part", part, "--part-out", str(part_out),
                "--work", args.work, "--iterations", str(args.iterations)] + (["--tiny"] if args.tiny else [])
         try:
-            done = subprocess.run(cmd, cwd=ROOT, timeout=args.part_timeout_s)
-            if done.returncode != 0:
-                raise RuntimeError(f"exit {done.returncode}")
+            try:
+                done = subprocess.run(cmd, cwd=ROOT, timeout=args.part_timeout_s)
+                if done.returncode != 0:
+                    raise RuntimeError(f"exit {done.returncode}")
+            except subprocess.TimeoutExpired as exc:
+                if not part_out.is_file():
+                    raise
+                res.setdefault("cut_short", {})[part] = str(exc)  # what it finished still counts, marked
             summary = summarise(json.loads(part_out.read_text()), args.warmup, tokens)
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:  # recorded, the other sides still run
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError, OSError) as exc:  # recorded, the rest still run
             res.setdefault("failed", {})[part] = f"{type(exc).__name__}: {exc}"
             _log(f"{part} failed: {exc}")
             continue
