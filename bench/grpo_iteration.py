@@ -13,14 +13,16 @@ so neither side stops early: ours samples with `ignore_eos`, TRL generates with
 `min_new_tokens = max_new_tokens`. Every completion is max_new_tokens long on both sides, and an
 iteration holds the same tokens on both (P·G·(prompt + max_new_tokens)). Random weights also make
 every reward 0 (every group's advantage 0): ours trains every group anyway
-(`advantages.filter_zero_variance = false`), as TRL does, so both take M full optimizer steps.
+(`advantages.filter_zero_variance = false`), as TRL does, so both take M full optimizer steps (ours:
+`loop.tokens_per_rank` set so that the group-aware plan cuts every batch into exactly M minibatches;
+at `loop.minibatches = M` alone it may cut M + 1).
 
-Ours: the loop's own stage code (`deploy/grpo_loop.py`: `make_requests`, the data-plane sink, `_train`:
-advantages from the catalog, the group-aware plan, one learner step per minibatch; `publish`) driving an
-in-process `RolloutWorker` (the rollout engine, its token WAL, the verifier) and a one-rank
-`LearnerGroup` (in process, as `learner.ranks = 1` runs), then the new weights into the worker. What
-`postrain grpo` adds around this is left out: Ray actors (the pool's calls, the weights through the
-object store), the evals, checkpoints and retention.
+Ours: `python -m deploy.grpo_stages` (a process of its own): the loop's own stage code
+(`deploy/grpo_loop.py`'s requests, data-plane sink and `_train`: advantages from the catalog, the
+group-aware plan, one learner step per minibatch; `publish`) driving an in-process `RolloutWorker` (the
+rollout engine, its token WAL, the verifier) and a one-rank `LearnerGroup`, then the new weights into
+the worker. What `postrain grpo` adds around this is left out: Ray actors (the pool's calls, the weights
+through the object store), the evals, checkpoints and retention.
 TRL: `GRPOTrainer` (`bench.trl_grpo.build_trainer`, `use_cpu` off on a GPU, `bf16`), HF generate
 without vLLM; `--trl-variants` picks its generation settings (all are measured, the fastest is the
 baseline): `default` (dynamic cache), `static` (`cache_implementation="static"`; TRL turns generate's
@@ -39,7 +41,6 @@ runs inside the first of those steps).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -47,6 +48,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.trl_grpo import train_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 DOMAIN = "arith"
@@ -102,94 +105,62 @@ def make_checkpoint(path: Path, model_shape: dict, seed: int = 0) -> Path:
     return save_policy(Qwen2ForCausalLM(cfg), tok, path)
 
 
-def loop_config(shape: dict, cuda: bool, prompt_tokens: int):
-    """The shipped `configs/grpo_loop.toml` at this shape, on this device."""
-    from deploy.grpo_config import load_for_domain
+def plan_budget(prompt_tokens: list[list[int]], shape: dict) -> int:
+    """`loop.tokens_per_rank` under which the loop's group-aware plan cuts every iteration's batch into
+    exactly M minibatches (TRL's M optimizer steps): P/M of the largest groups fit, one group more never
+    does. `prompt_tokens[k]`: the prompt lengths of iteration k."""
+    p, g, n, m = shape["prompts"], shape["group"], shape["max_new_tokens"], shape["minibatches"]
+    if p % m:
+        raise ValueError(f"P = {p} prompts must split into M = {m} minibatches of whole groups")
+    groups = [g * (t + n) for lens in prompt_tokens for t in lens]
+    budget = p // m * max(groups)
+    if (p // m + 1) * min(groups) <= budget:
+        raise ValueError(f"group sizes {min(groups)}..{max(groups)} tokens: no budget gives exactly {m} minibatches")
+    return budget
 
+
+def loop_sets(shape: dict, cuda: bool, prompt_tokens: list[list[int]]) -> list[str]:
+    """`--set` overrides of the shipped `configs/grpo_loop.toml` for this shape on this device."""
+    longest = max(max(lens) for lens in prompt_tokens)
     sets = [f"loop.prompts_per_iteration={shape['prompts']}", f"loop.group_size={shape['group']}",
             f"loop.minibatches={shape['minibatches']}", f"sampling.max_new_tokens={shape['max_new_tokens']}",
+            f"loop.tokens_per_rank={plan_budget(prompt_tokens, shape)}",
             "advantages.filter_zero_variance=false", "loop.async_rollouts=false",
             f"engine.max_batch={shape['prompts'] * shape['group']}",
-            f"engine.max_len={prompt_tokens + shape['max_new_tokens'] + 8}"]
+            f"engine.max_len={longest + shape['max_new_tokens'] + 8}"]
     if cuda:  # the learner's GPU micro-batch budget (bench/grpo.py's), the engine in bf16 on the GPU
         sets += ["engine.device=cuda", "engine.dtype=bfloat16", "learner.device=cuda",
                  "learner.micro_batch_tokens=32768", "learner.logprob_chunk_rows=4096", "learner.threads=4"]
     else:
         sets += ["learner.device=cpu", "learner.threads=2"]
-    return load_for_domain(ROOT / "configs" / "grpo_loop.toml", DOMAIN, sets)
+    return sets
 
 
-def iteration_tokens(cfg, tok, iterations: int) -> list[int]:
-    """Tokens of each iteration's trajectories: P·G·(prompt + max_new_tokens)."""
-    from bench.trl_grpo import train_prompts
-
-    lp, n = cfg.loop, cfg.sampling.max_new_tokens
-    prompts = train_prompts(cfg.model_dump(), DOMAIN, iterations)
-    per = lp.prompts_per_iteration
-    return [lp.group_size * sum(len(tok.encode(p)) + n for p in prompts[k * per:(k + 1) * per])
-            for k in range(iterations)]
+def prompt_lengths(tok, shape: dict, iterations: int) -> list[list[int]]:
+    """Token counts of the prompts of iterations 0..iterations-1 (loop.seed 0)."""
+    per = shape["prompts"]
+    prompts = train_prompts({"loop": {"prompts_per_iteration": per, "seed": 0}}, DOMAIN, iterations)
+    return [[len(tok.encode(q)) for q in prompts[k * per:(k + 1) * per]] for k in range(iterations)]
 
 
-def run_ours(ckpt: Path, cfg, out: Path, iterations: int, progress=None) -> dict:
-    """`iterations` GRPO iterations of the loop's stage code in one process; the time of each
-    (`progress(result so far)` after each)."""
-    import dataplane
-    from deploy.grpo_loop import GRPOLoop, _IterationSink, batch_name
-    from learner.group import LearnerGroup
-    from rollout.worker import RolloutWorker, WorkerSpec
-
-    loop = GRPOLoop(cfg, DOMAIN, ckpt, out, iterations, quiet=True)
-    loop.dp = dataplane.open(loop.catalog, loop.store)
-    loop.sink = _IterationSink(loop.catalog, loop.store)
-    loop.group = LearnerGroup(cfg.learner_config(), str(ckpt))
-    p = cfg.pool
-    worker = RolloutWorker(WorkerSpec(
-        name="w0", checkpoint=str(ckpt), wal_path=str(out / "rollout" / "wal"), snapshot_uri=str(out / "rollout" / "kv"),
-        seed=p.seed, engine=cfg.engine, threads=p.threads_per_worker, max_commit_lag=p.max_commit_lag,
-        commit_group_steps=p.commit_group_steps, wal_segment_bytes=p.wal_segment_bytes))
-    times, rows = [], []
-    try:
-        for k in range(iterations):
-            _sync()
-            t0 = time.perf_counter()
-            requests = [dataclasses.replace(r, params=dataclasses.replace(r.params, ignore_eos=True))
-                        for r in loop._requests(k)]
-            loop.sink.start(batch_name(k))
-            worker.submit(requests)
-            left, acks, lengths = len(requests), [], []
-            while left:
-                worker.finalize(acks)  # the pool acknowledges on the next call, once the sink holds them
-                rep = worker.run(p.steps_per_call)
-                loop.sink.put(rep.finished)
-                acks = [f.traj_id for f in rep.finished]
-                lengths += [len(f.tokens) - f.prompt_len for f in rep.finished]
-                left -= len(rep.finished)
-            worker.finalize(acks)
-            t_roll = time.perf_counter()
-            train = loop._train(k)
-            weights, version = loop.group.publish()
-            worker.update_weights(weights, version)
-            loop.dp.publish_policy_version(batch_name(k), version)
-            _sync()
-            t1 = time.perf_counter()
-            times.append(t1 - t0)
-            rows.append({"iteration_s": t1 - t0, "rollout_s": t_roll - t0, "train_publish_s": t1 - t_roll,
-                         "optimizer_steps": train["optimizer_steps"], "completion_tokens": sum(lengths),
-                         "completion_len_min": min(lengths), "completion_len_max": max(lengths),
-                         "reward_mean": train["reward_mean"]})
-            _log(f"ours iteration {k}: {times[-1]:.3f} s (rollout {t_roll - t0:.3f} s)")
-            if progress is not None:
-                progress({"times_s": times, "iterations": rows})
-    finally:
-        worker.close()
-        loop.group.close()
-        loop.sink.close()
-        loop.dp.close()
-    return {"times_s": times, "iterations": rows}
+def iteration_tokens(shape: dict, prompt_tokens: list[list[int]]) -> list[int]:
+    """Tokens of each iteration's trajectories: G·Σ(prompt + max_new_tokens) over its P prompts."""
+    return [shape["group"] * sum(t + shape["max_new_tokens"] for t in lens) for lens in prompt_tokens]
 
 
-def run_trl(ckpt: Path, cfg, out: Path, iterations: int, variant: str, cuda: bool) -> dict:
-    """TRL's GRPOTrainer on the same work: the time of each iteration (M optimizer steps)."""
+def stages_spec(ckpt: Path, work: Path, iterations: int, sets: list[str], times_out: Path | None = None) -> Path:
+    """The spec of `python -m deploy.grpo_stages` for ours (without `times_out`: resolve the config only)."""
+    spec = {"init": str(ckpt), "domain": DOMAIN, "config": str(ROOT / "configs" / "grpo_loop.toml"), "sets": sets,
+            "out": str(work / "ours"), "iterations": iterations, "ignore_eos": True,
+            "times_out": str(times_out) if times_out else None, "config_out": str(work / "config.json")}
+    path = work / ("ours_spec.json" if times_out else "config_spec.json")
+    path.write_text(json.dumps(spec))
+    return path
+
+
+def run_trl(ckpt: Path, cfg: dict, out: Path, iterations: int, variant: str, cuda: bool) -> dict:
+    """TRL's GRPOTrainer on the same work (`cfg`: the resolved loop config, as ours wrote it): the time of
+    each iteration (M optimizer steps)."""
     import torch
     from transformers import TrainerCallback
 
@@ -198,7 +169,7 @@ def run_trl(ckpt: Path, cfg, out: Path, iterations: int, variant: str, cuda: boo
 
     if variant not in TRL_VARIANTS:
         raise ValueError(f"TRL variant {variant!r} not in {TRL_VARIANTS}")
-    n, m = cfg.sampling.max_new_tokens, cfg.loop.minibatches
+    n, m = cfg["sampling"]["max_new_tokens"], cfg["loop"]["minibatches"]
     model, tok = load_policy(ckpt, dtype=torch.bfloat16 if variant == "bf16_weights" else torch.float32)
     over = {"use_cpu": not cuda, "bf16": cuda, "max_steps": m * iterations,
             "generation_kwargs": {"min_new_tokens": n}}
@@ -227,8 +198,7 @@ def run_trl(ckpt: Path, cfg, out: Path, iterations: int, variant: str, cuda: boo
 
     reward = reward_function(DOMAIN)
     length_reward.__name__ = reward.__name__
-    trainer = build_trainer(model, tok, cfg.model_dump(), DOMAIN, cfg.loop.seed, out, iterations, length_reward,
-                            **over)
+    trainer = build_trainer(model, tok, cfg, DOMAIN, cfg["loop"]["seed"], out, iterations, length_reward, **over)
     trainer.add_callback(Clock())
     trainer.train()
     times = [b - a for a, b in zip(stamps, stamps[1:])]
@@ -264,36 +234,35 @@ def target(ours: dict | None, trl: dict, cuda: bool, device: str) -> dict:
 
 
 def _setup(args) -> tuple:
-    """(cuda, device name, shape, model shape, checkpoint, resolved loop config, tokens per iteration)."""
+    """(cuda, device name, shape, model shape, checkpoint, `--set` overrides, tokens per iteration); the
+    resolved loop config in WORK/config.json."""
     import torch
 
     from bench._device import cpu_name
     from bench.grpo import GPU_MODEL
-    from bench.trl_grpo import train_prompts
     from core.hf import load_tokenizer
 
     cuda = torch.cuda.is_available() and not args.tiny
     device = torch.cuda.get_device_name() if cuda else cpu_name()
     shape, model_shape = (TINY_SHAPE, TINY_MODEL) if args.tiny else (GPU_SHAPE, GPU_MODEL)
-    ckpt = Path(args.work) / "init"
+    work = Path(args.work)
+    ckpt = work / "init"
     if not (ckpt / "config.json").is_file():
         make_checkpoint(ckpt, model_shape)
-    tok = load_tokenizer(ckpt)
-    prompts = train_prompts({"loop": {"prompts_per_iteration": shape["prompts"], "seed": 0}}, DOMAIN, args.iterations)
-    cfg = loop_config(shape, cuda, max(len(tok.encode(q)) for q in prompts))
-    return cuda, device, shape, model_shape, ckpt, cfg, iteration_tokens(cfg, tok, args.iterations)
+    lens = prompt_lengths(load_tokenizer(ckpt), shape, args.iterations)
+    sets = loop_sets(shape, cuda, lens)
+    if not (work / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "deploy.grpo_stages", str(stages_spec(ckpt, work, args.iterations, sets))],
+                       cwd=ROOT, check=True)
+    return cuda, device, shape, model_shape, ckpt, sets, iteration_tokens(shape, lens)
 
 
 def run_part(args) -> None:
-    """One side in this process (`--part ours` or `--part trl:VARIANT`); raw times to `--part-out`."""
-    cuda, _, _, _, ckpt, cfg, _ = _setup(args)
-    work = Path(args.work)
-    if args.part == "ours":  # written after every iteration: a side cut short keeps the iterations it finished
-        out = run_ours(ckpt, cfg, work / "ours", args.iterations,
-                       lambda partial: Path(args.part_out).write_text(json.dumps(partial)))
-    else:
-        variant = args.part.split(":", 1)[1]
-        out = run_trl(ckpt, cfg, work / f"trl-{variant}", args.iterations, variant, cuda)
+    """One TRL variant in this process (`--part trl:VARIANT`); raw times to `--part-out`."""
+    cuda, _, _, _, ckpt, _, _ = _setup(args)
+    variant = args.part.split(":", 1)[1]
+    cfg = json.loads((Path(args.work) / "config.json").read_text())
+    out = run_trl(ckpt, cfg, Path(args.work) / f"trl-{variant}", args.iterations, variant, cuda)
     Path(args.part_out).write_text(json.dumps(out))
 
 
@@ -308,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--part-timeout-s", type=float, default=None, help="longest one side's process may run")
     p.add_argument("--work", help="scratch directory (default: a temporary one)")
     p.add_argument("--out", help="write the JSON here (after each side, so a cut-short run keeps what it measured)")
-    p.add_argument("--part", help=argparse.SUPPRESS)
+    p.add_argument("--part", help=argparse.SUPPRESS)  # one TRL variant, in a process of its own
     p.add_argument("--part-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.work = args.work or tempfile.mkdtemp(prefix="grpo_iteration_")
@@ -320,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench._device import run_meta
 
-    cuda, device, shape, model_shape, _, _, tokens = _setup(args)
+    cuda, device, shape, model_shape, ckpt, sets, tokens = _setup(args)
     res = {"benchmark": "grpo_iteration", "device": device, "cuda": cuda, "domain": DOMAIN, "shape": shape,
            "model": {"arch": "qwen2", "random_init": True, **model_shape},
            "iterations": args.iterations, "warmup": args.warmup, "statistic": "median over the timed iterations",
@@ -348,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     for part in parts:  # each side in its own process: no memory, threads or compiled state carried over
         _log(f"{part}: {args.iterations} iterations on {device}")
         part_out = Path(args.work) / f"part-{part.replace(':', '-')}.json"
-        cmd = [sys.executable, "-m", "bench.grpo_iteration", "--part", part, "--part-out", str(part_out),
-               "--work", args.work, "--iterations", str(args.iterations)] + (["--tiny"] if args.tiny else [])
+        if part == "ours":  # postrain's side (deploy/grpo_stages.py; it writes its times after every iteration)
+            cmd = [sys.executable, "-m", "deploy.grpo_stages",
+                   str(stages_spec(ckpt, Path(args.work), args.iterations, sets, part_out))]
+        else:
+            cmd = [sys.executable, "-m", "bench.grpo_iteration", "--part", part, "--part-out", str(part_out),
+                   "--work", args.work, "--iterations", str(args.iterations)] + (["--tiny"] if args.tiny else [])
         try:
             try:
                 done = subprocess.run(cmd, cwd=ROOT, timeout=args.part_timeout_s)
