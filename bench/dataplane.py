@@ -308,6 +308,7 @@ def fill_catalog(cat, n: int, seed: int = 0, shard_rows: int = 1000) -> None:
     GRPO runs add them: groups of 8 adjacent, group ids random hex strings, log-normal lengths."""
     import numpy as np
 
+    from dataplane import columns
     from dataplane.schema import policy_versions, runs, shards, trajectories
 
     rng = np.random.default_rng(seed)
@@ -320,11 +321,15 @@ def fill_catalog(cat, n: int, seed: int = 0, shard_rows: int = 1000) -> None:
     shard_rows_ = [{"id": k + 1, "path": f"shards/bench/{k:06d}.arrow", "run": "bench", "rows": shard_rows,
                     "bytes": 0, "checksum": 0, "created_at": now} for k in range(n_shards)]
     cols = ("id", "run", "domain", "prompt", "group_id", "length", "policy_min", "policy_max", "reward", "status",
-            "shard_id", "row", "checksum", "created_at")
+            "shard_id", "row", "checksum", "created_at", "pack")
     domains = ("arith", "reverse", "calc")
     ln = length.tolist()
-    rows = [(f"traj{i:07d}", "bench", domains[i % 3], f"prompt {i // 8}", groups[i // 8], ln[i], i % 4, i % 4,
-             float(i % 2), "complete", i // shard_rows + 1, i % shard_rows, (i * 2654435761) & 0xFFFFFFFF, now)
+    ids, gids, i = [f"traj{i:07d}" for i in range(n)], [groups[i // 8] for i in range(n)], np.arange(n)
+    shard_id, row, checksum, version = i // shard_rows + 1, i % shard_rows, (i * 2654435761) & 0xFFFFFFFF, i % 4
+    packs = columns.pack(length, shard_id, (i % 2).astype(float), version, version, row, checksum, ids, gids,
+                         ["bench"] * n, [None] * n)  # what put stores beside the columns
+    rows = [(ids[i], "bench", domains[i % 3], f"prompt {i // 8}", gids[i], ln[i], i % 4, i % 4,
+             float(i % 2), "complete", i // shard_rows + 1, i % shard_rows, (i * 2654435761) & 0xFFFFFFFF, now, packs[i])
             for i in range(n)]
     with cat._writing() as conn:
         cat.backend_insert_ignore(conn, runs, [{"name": "bench", "created_at": now}])

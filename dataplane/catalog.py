@@ -17,16 +17,40 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 
 from dataplane import columns, postgres, sqlite
 from dataplane.errors import BadRecordError, DataPlaneError, SchemaVersionError
-from dataplane.schema import (MIGRATIONS, SCHEMA_VERSION, meta, metadata, policy_versions, runs, shards,
-                              trajectories)
+from dataplane.schema import (MIGRATIONS, SCHEMA_VERSION, meta, metadata, pack_rows, policy_versions, runs,
+                              shards, trajectories)
 from dataplane.types import STATUSES, Selection
 
 T = trajectories
 
 
-def _selection(n: int, nums: dict, ids: pa.Array, run: pa.Array, group_id: pa.Array, teacher: pa.Array,
-               paths: dict) -> Selection:
-    """A Selection from unordered, aligned columns (numbers as numpy arrays, strings as Arrow binary
+def _order(ids: pa.Array, run: pa.Array, group_id: pa.Array) -> tuple[np.ndarray, np.ndarray]:
+    """(order, key): the permutation into bytewise (run, group id, id) order, and each row's dense rank of
+    (run, group id) along it. Runs and group ids are ranked through their distinct values and rows sorted
+    by that rank; ids are compared only where some group's rows do not already come in id order (rows
+    usually arrive in insertion order, which keeps a group's ids in order)."""
+    n = len(ids)
+    key = np.zeros(n, dtype=np.int64)
+    for col in (run, group_id):
+        enc = pc.dictionary_encode(col)
+        rank = np.empty(len(enc.dictionary), dtype=np.int64)
+        rank[pc.sort_indices(enc.dictionary).to_numpy()] = np.arange(len(enc.dictionary))
+        key = key * len(enc.dictionary) + rank[enc.indices.to_numpy(zero_copy_only=False)]
+    order = np.argsort(key * n + np.arange(n, dtype=np.int64))  # distinct keys: the same as a stable sort by key
+    k = key[order]
+    s = ids.take(pa.array(order))
+    if n > 1 and ((k[1:] == k[:-1]) & ~pc.greater(s[1:], s[:-1]).to_numpy(zero_copy_only=False)).any():
+        order = order[pc.sort_indices(pa.table({"k": k, "i": s}),
+                                      sort_keys=[("k", "ascending"), ("i", "ascending")]).to_numpy()]
+        k = key[order]
+    dense = np.zeros(n, dtype=np.int64)
+    if n:
+        np.cumsum(k[1:] != k[:-1], out=dense[1:])
+    return order, dense
+
+
+def _selection(n: int, rec: np.ndarray, seq: np.ndarray, names: dict[str, pa.Array], paths: dict) -> Selection:
+    """A Selection from unordered, aligned columns (seq, columns.PACK records, names as Arrow binary
     arrays): canonical (run, group id, id) bytewise order, dense group codes over (run, group id), dense
     teacher codes in bytewise name order."""
     if not n:
@@ -34,34 +58,22 @@ def _selection(n: int, nums: dict, ids: pa.Array, run: pa.Array, group_id: pa.Ar
         return Selection(ids=np.zeros(0, dtype="<U1"), seq=z, length=z, group=z, teacher=z, reward=np.zeros(0),
                          policy_min=z, policy_max=z, shard=z, row=z, checksum=np.zeros(0, dtype=np.uint32),
                          shard_paths=[], teachers=[])
-    one_run = pc.all(pc.equal(run, run[0])).as_py()
-    keys = pa.table({"r": run, "g": group_id, "i": ids})
-    order = pc.sort_indices(keys, sort_keys=[("g", "ascending"), ("i", "ascending")] if one_run else
-                            [("r", "ascending"), ("g", "ascending"), ("i", "ascending")]).to_numpy()
-    new_group = np.zeros(n, dtype=bool)
-    new_group[0] = True
-    for col in ([group_id] if one_run else [group_id, run]):
-        s = col.take(order)
-        new_group[1:] |= pc.not_equal(s[1:], s[:-1]).to_numpy(zero_copy_only=False)
-    enc = pc.dictionary_encode(teacher)
-    names = enc.dictionary.to_pylist()  # bytes
-    rank = np.empty(len(names), dtype=np.int64)
-    rank[sorted(range(len(names)), key=names.__getitem__)] = np.arange(len(names))
+    order, group = _order(names["id"], names["run"], names["group_id"])
+    enc = pc.dictionary_encode(names["teacher"])
+    teachers = enc.dictionary.to_pylist()  # bytes
+    rank = np.empty(len(teachers), dtype=np.int64)
+    rank[sorted(range(len(teachers)), key=teachers.__getitem__)] = np.arange(len(teachers))
     teacher_code = rank[enc.indices.to_numpy(zero_copy_only=False)]
     shard_ids = np.array(sorted(paths), dtype=np.int64)
+    field = lambda name, dtype=np.int64: rec[name][order].astype(dtype, copy=False)  # noqa: E731
     return Selection(
-        ids=columns.to_numpy_str(ids.take(order)),
-        seq=nums["seq"][order], length=nums["length"][order], group=np.cumsum(new_group) - 1,
-        teacher=teacher_code[order], reward=nums["reward"][order], policy_min=nums["policy_min"][order],
-        policy_max=nums["policy_max"][order], shard=np.searchsorted(shard_ids, nums["shard_id"])[order],
-        row=nums["row"][order], checksum=nums["checksum"][order],
+        ids=columns.to_numpy_str(names["id"].take(pa.array(order))),
+        seq=seq[order], length=field("length"), group=group, teacher=teacher_code[order],
+        reward=field("reward", np.float64), policy_min=field("policy_min"), policy_max=field("policy_max"),
+        shard=np.searchsorted(shard_ids, field("shard_id")), row=field("row"), checksum=field("checksum", np.uint32),
         shard_paths=[paths[s] for s in shard_ids.tolist()],
-        teachers=[b.decode("utf-8") for b in sorted(names)],
+        teachers=[b.decode("utf-8") for b in sorted(teachers)],
     )
-
-
-_NUMBERS = {"seq": np.int64, "length": np.int64, "policy_min": np.int64, "policy_max": np.int64, "shard_id": np.int64,
-            "row": np.int64, "checksum": np.uint32, "reward": np.float64}
 
 
 def backend_for(url: str):
@@ -125,8 +137,8 @@ class Catalog:
             with self._writing() as conn:
                 current = conn.execute(select(meta.c.value).where(meta.c.key == "schema_version")).scalar()
                 if current == str(version):  # another process may have migrated it meanwhile
-                    for stmt in MIGRATIONS[version]:
-                        conn.execute(text(stmt))
+                    for step in MIGRATIONS[version]:
+                        conn.execute(text(step)) if isinstance(step, str) else step(conn)
                     conn.execute(update(meta).where(meta.c.key == "schema_version").values(value=str(version + 1)))
             version += 1
         return str(version)
@@ -150,13 +162,15 @@ class Catalog:
     def close(self) -> None:
         self.engine.dispose()
 
-    def _fetch(self, conn, stmt) -> list[tuple]:
+    def _fetch(self, conn, stmt, binary: bool = False) -> list[tuple]:
         """All rows as plain tuples straight from the driver: SQLAlchemy's Row objects cost ~3 us each,
-        which dominates reading the metadata of many trajectories."""
+        which dominates reading the metadata of many trajectories. `binary`: in the backend's binary
+        result format where it has one (bytes arrive as bytes)."""
         compiled = stmt.compile(dialect=self.engine.dialect, compile_kwargs={"render_postcompile": True})
         params = compiled.construct_params()
         args = tuple(params[k] for k in compiled.positiontup) if compiled.positional else params
-        cur = conn.connection.dbapi_connection.cursor()
+        raw = conn.connection.dbapi_connection
+        cur = self.backend.cursor(raw) if binary else raw.cursor()
         try:
             cur.execute(str(compiled), args)
             return cur.fetchall()
@@ -176,7 +190,10 @@ class Catalog:
                     {"run": r, "version": v, "created_at": now, "checkpoint": None} for r, v in versions])
                 shard_id = conn.execute(shards.insert().returning(shards.c.id),
                                         {**shard_row, "created_at": now}).scalar_one()
-                conn.execute(T.insert(), [{**r, "shard_id": shard_id, "created_at": now} for r in traj_rows])
+                rows = [{**r, "shard_id": shard_id, "created_at": now} for r in traj_rows]
+                for r, p in zip(rows, pack_rows(rows)):
+                    r["pack"] = p
+                conn.execute(T.insert(), rows)
         except IntegrityError as exc:
             ids = [r["id"] for r in traj_rows]
             with self.engine.connect() as conn:
@@ -232,38 +249,29 @@ class Catalog:
         """Light metadata of matching trajectories in bytewise (run, group, id) order: members of a group are
         adjacent and group codes nondecreasing; group and teacher codes are dense.
 
-        The database filters and hands each column back as one JSON array (one aggregate per column over
-        the same scan, so the arrays align); ordering and codes are computed in Arrow. Rows as Python
-        tuples cost ~7 us each, seconds at a million trajectories."""
+        The database filters and hands the rows back as three values (one aggregate each over the same
+        scan, so they align): the seqs as text, the rows' columns.PACK records concatenated, and their
+        names concatenated; ordering and codes are computed in numpy and Arrow. Rows as Python tuples cost
+        ~7 us each, seconds at a million trajectories."""
         if status is not None:
             for s in [status] if isinstance(status, str) else status:
                 if s not in STATUSES:
                     raise DataPlaneError(f"status {s!r}: expected one of {STATUSES}")
         conds = self._where(run, domain, status, policy_min, policy_max, teacher)
         b = self.backend
-        texts = {"id": T.c.id, "run": T.c.run, "group_id": T.c.group_id, "teacher": func.coalesce(T.c.teacher_id, "")}
-        exprs = [func.count()]
-        for name in _NUMBERS:
-            exprs.append(b.join_numbers(T.c[name]))
-        for col in texts.values():
-            exprs += [b.join_text(col), b.join_numbers(b.byte_length(col))]
-        exprs.append(b.inexact_floats(T.c.reward))
+        names = T.c.id + T.c.group_id + T.c.run + func.coalesce(T.c.teacher_id, "")  # columns.NAMES order
+        stmt = select(func.count(), func.count(T.c.pack), b.join_numbers(T.c.seq), b.join_bytes(T.c.pack),
+                      b.join_bytes(names)).where(*conds)
         with self.engine.connect() as conn:
-            got = list(self._fetch(conn, select(*exprs).where(*conds))[0])
-            n = int(got[0])
-            nums = {name: columns.numbers(got[1 + k], n, dtype) for k, (name, dtype) in enumerate(_NUMBERS.items())}
-            if got[-1]:  # some rewards' text form does not parse back to the same double: fetch them as floats
-                seq_r = np.array(self._fetch(conn, select(T.c.seq, T.c.reward).where(*conds)), dtype=object)
-                by_seq = np.argsort(seq_r[:, 0].astype(np.int64))
-                at = np.searchsorted(seq_r[by_seq, 0].astype(np.int64), nums["seq"])
-                nums["reward"] = seq_r[by_seq, 1].astype(np.float64)[at]
-            at = 1 + len(_NUMBERS)
-            strs = {name: columns.strings(got[at + 2 * k], columns.numbers(got[at + 2 * k + 1], n, np.int64))
-                    for k, name in enumerate(texts)}
-            shard_ids = np.unique(nums["shard_id"]).tolist()
+            n, n_packed, seq, packed, joined = self._fetch(conn, stmt, binary=True)[0]
+            if n_packed != n:
+                raise DataPlaneError(f"catalog {self._safe_url()}: {n - n_packed} selected trajectories have no "
+                                     "packed metadata (rows written around the data plane's put)")
+            rec, strs = columns.unpack(packed, joined, n)
+            shard_ids = np.unique(rec["shard_id"]).tolist()
             paths = dict(conn.execute(select(shards.c.id, shards.c.path).where(shards.c.id.in_(shard_ids))).all()) \
                 if shard_ids else {}
-        return _selection(n, nums, strs["id"], strs["run"], strs["group_id"], strs["teacher"], paths)
+        return _selection(n, rec, columns.numbers(seq, n, np.int64), strs, paths)
 
     def meta(self, ids) -> dict[str, dict]:
         """The `meta` object of each trajectory in `ids` that has one."""

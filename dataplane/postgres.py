@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from sqlalchemy import Text, cast, create_engine, func, literal, text
+from sqlalchemy import LargeBinary, Text, cast, create_engine, func, literal, literal_column, text
 from sqlalchemy.dialects.postgresql import insert as _insert
 
 from dataplane.errors import DataPlaneError
@@ -55,16 +55,14 @@ def join_numbers(col):
     return func.string_agg(cast(col, Text), ",")
 
 
-def join_text(col):
-    """A text column of the selected rows concatenated with no separator (lengths come from byte_length)."""
-    return func.string_agg(col, "")
+def join_bytes(col):
+    """A bytea or text column of the selected rows concatenated with no separator, as one bytea (UTF-8 for
+    text)."""
+    if isinstance(col.type, LargeBinary):
+        return func.string_agg(col, literal_column("''::bytea"))
+    return func.convert_to(func.string_agg(col, literal("")), "UTF8")
 
 
-def byte_length(col):
-    return func.octet_length(col)
-
-
-def inexact_floats(col):
-    """float8's text form is exact: nothing to fetch again."""
-    return literal(0)
-
+def cursor(dbapi_conn):
+    """Results in PostgreSQL's binary format: bytea arrives as its bytes, not as hex text to decode."""
+    return dbapi_conn.cursor(binary=True)

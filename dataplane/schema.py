@@ -2,10 +2,12 @@
 `Catalog` migrates older versions in place and refuses unknown ones."""
 from __future__ import annotations
 
-from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Index, Integer, MetaData, String, Table, Text,
-                        UniqueConstraint)
+from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Index, Integer, LargeBinary, MetaData, String, Table,
+                        Text, UniqueConstraint, bindparam, func, select, text, update)
 
-SCHEMA_VERSION = 2
+from dataplane import columns
+
+SCHEMA_VERSION = 3
 
 # SQLite only aliases the rowid for a column typed exactly INTEGER PRIMARY KEY.
 Key = BigInteger().with_variant(Integer(), "sqlite")
@@ -63,12 +65,41 @@ trajectories = Table(
     Column("row", Integer, nullable=False),
     Column("checksum", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
+    # columns.PACK record of the write-once fields above (select reads these, not the columns); nullable
+    # only so that version-2 catalogs can add it: put and the migration fill it for every row
+    Column("pack", LargeBinary, nullable=True),
     UniqueConstraint("id", name="dp_trajectories_id_key"),
     Index("dp_trajectories_select", "run", "domain", "status"),
     Index("dp_trajectories_shard", "shard_id"),
 )
 
-# version -> SQL statements that bring a catalog of that version to the next one
-MIGRATIONS: dict[int, list[str]] = {
+
+
+def pack_rows(rows) -> list[bytes]:
+    """columns.PACK records of catalog rows (mappings with the trajectory columns; teacher as teacher_id)."""
+    return columns.pack(*([r[c] for r in rows] for c in (
+        "length", "shard_id", "reward", "policy_min", "policy_max", "row", "checksum", "id", "group_id", "run",
+        "teacher_id")))
+
+
+def _add_pack(conn, batch: int = 50_000) -> None:
+    """Version 2 -> 3: add the packed-metadata column and fill it for every row, in seq order by batches."""
+    T = trajectories
+    conn.execute(text(f"ALTER TABLE {T.name} ADD COLUMN pack {LargeBinary().compile(dialect=conn.dialect)}"))
+    cols = [T.c[c] for c in ("seq", "length", "shard_id", "reward", "policy_min", "policy_max", "row", "checksum",
+                             "id", "group_id", "run", "teacher_id")]
+    last = conn.execute(select(func.min(T.c.seq) - 1)).scalar()
+    while last is not None:
+        rows = conn.execute(select(*cols).where(T.c.seq > last).order_by(T.c.seq).limit(batch)).mappings().all()
+        if not rows:
+            break
+        conn.execute(update(T).where(T.c.seq == bindparam("k")).values(pack=bindparam("p")),
+                     [{"k": r["seq"], "p": p} for r, p in zip(rows, pack_rows(rows))])
+        last = rows[-1]["seq"]
+
+
+# version -> steps (SQL text, or a function of the connection) that bring a catalog of that version to the next
+MIGRATIONS: dict[int, list] = {
     1: ["ALTER TABLE dp_trajectories ADD COLUMN meta TEXT"],
+    2: [_add_pack],
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import Float, Integer, LargeBinary, Text, and_, case, cast, create_engine, event, func
+from sqlalchemy import LargeBinary, cast, create_engine, event, func
 from sqlalchemy.dialects.sqlite import insert as _insert
 
 from core import fileio
@@ -49,17 +49,11 @@ def join_numbers(col):
     return func.group_concat(col, ",")
 
 
-def join_text(col):
-    """A text column of the selected rows concatenated with no separator (lengths come from byte_length)."""
-    return func.group_concat(col, "")
+def join_bytes(col):
+    """A blob or text column of the selected rows concatenated with no separator, as one blob (UTF-8 for
+    text): group_concat keeps a blob's bytes as they are, NUL bytes included."""
+    return cast(func.group_concat(col, ""), LargeBinary)
 
 
-def byte_length(col):
-    return func.length(cast(col, LargeBinary))
-
-
-def inexact_floats(col):
-    """How many values of a REAL column do not survive their text form (15 significant digits)."""
-    whole = and_(col == cast(col, Integer), func.abs(col) < 1e15)  # integers print exactly: skip the text round trip
-    return func.coalesce(func.sum(case((whole, 0), else_=cast(cast(col, Text), Float) != col)), 0)
-
+def cursor(dbapi_conn):
+    return dbapi_conn.cursor()

@@ -135,6 +135,7 @@ def test_a_version_1_catalog_is_migrated_in_place(any_dp, tmp_path):
     any_dp.put(recs)
     with any_dp.catalog.engine.begin() as conn:  # what a catalog written before the meta column looks like
         conn.execute(text("ALTER TABLE dp_trajectories DROP COLUMN meta"))
+        conn.execute(text("ALTER TABLE dp_trajectories DROP COLUMN pack"))
         conn.execute(text("UPDATE dp_meta SET value = '1' WHERE key = 'schema_version'"))
     any_dp.close()
     dp = dataplane.open(any_dp.catalog.url, tmp_path / "again", namespace=any_dp.catalog.namespace)
@@ -147,6 +148,57 @@ def test_a_version_1_catalog_is_migrated_in_place(any_dp, tmp_path):
         assert dp.meta([more[0].id]) == {more[0].id: {"k": 1}}
     finally:
         dp.close()
+
+
+def _same_selection(a, b) -> None:
+    for name in ("ids", "seq", "length", "group", "teacher", "reward", "policy_min", "policy_max", "shard", "row",
+                 "checksum"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and x.tolist() == y.tolist(), name
+    assert a.shard_paths == b.shard_paths and a.teachers == b.teachers
+
+
+def test_a_version_2_catalog_gets_packed_metadata_in_place(any_dp, tmp_path):
+    """Version 2 had no packed records: opening fills them for every row (in batches), and selections and
+    plans come out exactly as from the catalog written by this version."""
+    recs = make_records(70, seed=5) + make_records(9, seed=6, run="run-z", id_prefix="z")
+    for k, r in enumerate(recs):
+        r.reward = [0.1 + 0.2, 1 / 3, -2.5e-300][k % 3]
+        r.teacher_id = [None, "tb", "tä"][k % 3]
+    any_dp.put(recs[:40])
+    any_dp.put(recs[40:])
+    any_dp.set_status([recs[3].id], "failed")
+    want = any_dp.select(status=None)
+    with any_dp.catalog.engine.begin() as conn:
+        conn.execute(text("ALTER TABLE dp_trajectories DROP COLUMN pack"))
+        conn.execute(text("UPDATE dp_meta SET value = '2' WHERE key = 'schema_version'"))
+    any_dp.close()
+    import dataplane.schema as schema
+
+    fill = schema.MIGRATIONS[2][0]
+    steps = schema.MIGRATIONS[2]
+    schema.MIGRATIONS[2] = [lambda conn: fill(conn, batch=16)]  # several batches
+    try:
+        dp = dataplane.open(any_dp.catalog.url, tmp_path / "again", namespace=any_dp.catalog.namespace)
+    finally:
+        schema.MIGRATIONS[2] = steps
+    try:
+        got = dp.select(status=None)
+        _same_selection(got, want)
+        assert dp.select().ids.tolist() == [i for i in want.ids.tolist() if i != recs[3].id]
+        p1 = dp.plan(got, tokens_per_rank=400, ranks=3, seed=1, group_aware=True, by_teacher=True)
+        p2 = dp.plan(want, tokens_per_rank=400, ranks=3, seed=1, group_aware=True, by_teacher=True)
+        assert p1.to_json() == p2.to_json()
+    finally:
+        dp.close()
+
+
+def test_rows_without_packed_metadata_are_one_clear_error(sqlite_dp):
+    sqlite_dp.put(make_records(3))
+    with sqlite_dp.catalog.engine.begin() as conn:
+        conn.execute(text("UPDATE dp_trajectories SET pack = NULL WHERE id = 't00001'"))
+    with pytest.raises(dataplane.DataPlaneError, match="1 selected trajectories have no packed metadata"):
+        sqlite_dp.select()
 
 
 def test_selection_matches_a_python_reference_for_awkward_values(any_dp):
@@ -170,3 +222,51 @@ def test_selection_matches_a_python_reference_for_awkward_values(any_dp):
     assert sel.teachers == names and [sel.teachers[c] for c in sel.teacher] == [r.teacher_id or "" for r in ref]
     assert [sel.shard_paths[s] for s in sel.shard][:1] and sel.checksum.dtype == np.uint32
     assert len(any_dp.select(run="nothing-here")) == 0
+
+
+def _reference_selection(dp, status=None) -> dataplane.Selection:
+    """The selection built row by row in Python from a plain SELECT of the columns (no bulk transfer, no
+    packed records): bytewise (run, group id, id) order, dense codes."""
+    from dataplane.types import Selection
+
+    q = ("SELECT seq, id, run, group_id, coalesce(teacher_id, ''), length, reward, policy_min, policy_max, shard_id,"
+         " row, checksum FROM dp_trajectories" + ("" if status is None else f" WHERE status = '{status}'"))
+    with dp.catalog.engine.connect() as conn:
+        rows = [tuple(r) for r in conn.execute(text(q)).all()]
+        paths = dict(conn.execute(text("SELECT id, path FROM dp_shards")).all())
+    rows.sort(key=lambda r: (r[2].encode(), r[3].encode(), r[1].encode()))
+    keys = [(r[2].encode(), r[3].encode()) for r in rows]
+    group_of = {k: g for g, k in enumerate(sorted(set(keys)))}
+    teachers = sorted({r[4] for r in rows}, key=str.encode)
+    shard_ids = sorted({r[9] for r in rows})
+    col = lambda k, dtype=np.int64: np.array([r[k] for r in rows], dtype=dtype)  # noqa: E731
+    return Selection(ids=np.array([r[1] for r in rows], dtype=str), seq=col(0), length=col(5),
+                     group=np.array([group_of[k] for k in keys], dtype=np.int64),
+                     teacher=np.array([teachers.index(r[4]) for r in rows], dtype=np.int64), reward=col(6, np.float64),
+                     policy_min=col(7), policy_max=col(8), shard=np.array([shard_ids.index(r[9]) for r in rows]),
+                     row=col(10), checksum=col(11, np.uint32), shard_paths=[paths[s] for s in shard_ids],
+                     teachers=teachers)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_bulk_select_and_plan_equal_a_row_by_row_reference(any_dp, shuffled):
+    """On a seeded catalog, the bulk select (packed records, group ranks, ids compared only where a group
+    arrives out of id order) gives the same arrays, and so the same plan, as the row-by-row reference;
+    `shuffled` puts members of a group out of id order, so that the ids must be sorted too."""
+    rng = np.random.default_rng(11)
+    recs = make_records(300, seed=11, group_size=6) + make_records(40, seed=12, run="run-b", id_prefix="b")
+    for r in recs:
+        r.group_id = f"{int(rng.integers(0, 1 << 30)):08x}"[:3] + r.group_id  # groups not in id order
+        r.teacher_id = [None, "tz", "ta", "tő"][int(rng.integers(0, 4))]
+        r.reward = float(rng.standard_normal())
+    if shuffled:
+        recs = [recs[k] for k in rng.permutation(len(recs))]
+    for k in range(0, len(recs), 70):
+        any_dp.put(recs[k:k + 70])
+    any_dp.set_status([r.id for r in recs[::9]], "failed")
+    for status in (None, "complete"):
+        got, want = any_dp.select(status=status), _reference_selection(any_dp, status)
+        _same_selection(got, want)
+        for group_aware, by_teacher in ((True, False), (False, True), (True, True)):
+            kw = dict(tokens_per_rank=500, ranks=4, seed=3, epoch=2, group_aware=group_aware, by_teacher=by_teacher)
+            assert any_dp.plan(got, **kw).to_json() == any_dp.plan(want, **kw).to_json()
