@@ -53,44 +53,51 @@ def to_numpy_str(arr: pa.Array) -> np.ndarray:
 
 
 # -- packed per-trajectory metadata ---------------------------------------------------------------------
-# Each catalogued trajectory also carries its write-once numbers and the UTF-8 byte lengths of its names
-# as one fixed-width little-endian record (`pack`); select concatenates the records of the selected rows
-# into one binary value, read by numpy as a structured array without parsing text.
+# Each catalogued trajectory also carries its write-once fields as one record (`pack`): a fixed-width
+# little-endian header (PACK: the numbers and the UTF-8 byte lengths of the names), then the names
+# themselves (NAMES order, no separator). select concatenates the records of the selected rows into one
+# binary value and sends their sizes beside it; numpy reads the headers as a structured array and Arrow
+# cuts the names, without parsing text or making a Python object per row.
 PACK = np.dtype([("length", "<i8"), ("shard_id", "<i8"), ("reward", "<f8"), ("policy_min", "<i4"),
                  ("policy_max", "<i4"), ("row", "<i4"), ("checksum", "<u4"), ("id_bytes", "<u4"),
                  ("group_id_bytes", "<u4"), ("run_bytes", "<u4"), ("teacher_bytes", "<u4")])
-NAMES = ("id", "group_id", "run", "teacher")  # concatenated per row in this order ("" for no teacher)
+NAMES = ("id", "group_id", "run", "teacher")  # "" for no teacher
 
 
 def pack(length, shard_id, reward, policy_min, policy_max, row, checksum, ids, group_ids, runs, teachers) -> list[bytes]:
-    """One PACK record per trajectory from aligned sequences (names as str; None teacher = "")."""
+    """One record per trajectory from aligned sequences (names as str; None teacher = "")."""
     n = len(ids)
-    rec = np.zeros(n, dtype=PACK)
+    head = np.zeros(n, dtype=PACK)
     for name, vals in (("length", length), ("shard_id", shard_id), ("reward", reward), ("policy_min", policy_min),
                        ("policy_max", policy_max), ("row", row), ("checksum", checksum)):
-        rec[name] = vals
-    for name, vals in zip(NAMES, (ids, group_ids, runs, teachers)):
-        rec[f"{name}_bytes"] = [len((v or "").encode("utf-8")) for v in vals]
-    buf, w = rec.tobytes(), PACK.itemsize
-    return [buf[k * w:(k + 1) * w] for k in range(n)]
+        head[name] = vals
+    encoded = [[(v or "").encode("utf-8") for v in vals] for vals in (ids, group_ids, runs, teachers)]
+    for name, vals in zip(NAMES, encoded):
+        head[f"{name}_bytes"] = [len(v) for v in vals]
+    buf, w = head.tobytes(), PACK.itemsize
+    return [b"".join((buf[k * w:(k + 1) * w], *parts)) for k, parts in enumerate(zip(*encoded))]
 
 
-def unpack(packed: bytes | None, names: bytes | None, n: int) -> tuple[np.ndarray, dict[str, pa.Array]]:
-    """n PACK records concatenated, and the rows' names concatenated (id, group id, run, teacher per row):
-    the structured records and one Arrow binary array per name."""
-    packed, names = packed or b"", names or b""
-    if len(packed) != n * PACK.itemsize:
-        raise ColumnError(f"catalog packed metadata: expected {n} records of {PACK.itemsize} B, got {len(packed)} B")
-    rec = np.frombuffer(packed, dtype=PACK)
-    lengths = np.stack([rec[f"{name}_bytes"] for name in NAMES], axis=1).reshape(-1).astype(np.int64)
-    every = _binary(names.encode("utf-8") if isinstance(names, str) else names, lengths)
-    return rec, {name: every.take(pa.array(np.arange(k, 4 * n, 4))) for k, name in enumerate(NAMES)}
-
-
-def _binary(data: bytes, byte_lengths: np.ndarray) -> pa.Array:
-    offsets = np.zeros(byte_lengths.shape[0] + 1, dtype=np.int64)
-    np.cumsum(byte_lengths, out=offsets[1:])
-    if int(offsets[-1]) != len(data):
-        raise ColumnError(f"catalog column: lengths add up to {int(offsets[-1])} bytes, got {len(data)}")
-    return pa.LargeBinaryArray.from_buffers(pa.large_binary(), byte_lengths.shape[0],
-                                            [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+def unpack(packed: bytes | None, sizes: np.ndarray) -> tuple[np.ndarray, dict[str, pa.Array]]:
+    """Records concatenated and their sizes: the headers as a PACK array and one Arrow binary array per name."""
+    packed, n, w = packed or b"", sizes.shape[0], PACK.itemsize
+    start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(sizes, out=start[1:])
+    if int(start[-1]) != len(packed) or (n and int(sizes.min()) < w):
+        raise ColumnError(f"catalog packed metadata: {n} records of sizes adding up to {int(start[-1])} B "
+                          f"(each >= {w} B), got {len(packed)} B")
+    buf = pa.py_buffer(packed)
+    heads = pc.binary_slice(pa.LargeBinaryArray.from_buffers(pa.large_binary(), n, [None, pa.py_buffer(start), buf]),
+                            0, w)
+    _, offsets, data = heads.buffers()
+    head = np.frombuffer(data, dtype=PACK, count=n, offset=int(np.frombuffer(offsets, dtype=np.int64)[heads.offset]))
+    cuts = np.empty((n, len(NAMES) + 1), dtype=np.int64)  # per record: header end, then the end of each name
+    cuts[:, 0] = start[:-1] + w
+    for k, name in enumerate(NAMES):
+        cuts[:, k + 1] = cuts[:, k] + head[f"{name}_bytes"]
+    if n and not (cuts[:, -1] == start[1:]).all():
+        raise ColumnError("catalog packed metadata: a record's name lengths do not match its size")
+    bounds = np.concatenate([[0], cuts.reshape(-1)])  # values: header, id, group id, run, teacher, header, ...
+    every = pa.LargeBinaryArray.from_buffers(pa.large_binary(), n * (len(NAMES) + 1), [None, pa.py_buffer(bounds), buf])
+    step = len(NAMES) + 1
+    return head, {name: every.take(pa.array(np.arange(k + 1, step * n, step))) for k, name in enumerate(NAMES)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from sqlalchemy import LargeBinary, Text, cast, create_engine, func, literal, literal_column, text
+from sqlalchemy import Text, cast, create_engine, func, literal, literal_column, text
 from sqlalchemy.dialects.postgresql import insert as _insert
 
 from dataplane.errors import DataPlaneError
@@ -56,11 +56,12 @@ def join_numbers(col):
 
 
 def join_bytes(col):
-    """A bytea or text column of the selected rows concatenated with no separator, as one bytea (UTF-8 for
-    text)."""
-    if isinstance(col.type, LargeBinary):
-        return func.string_agg(col, literal_column("''::bytea"))
-    return func.convert_to(func.string_agg(col, literal("")), "UTF8")
+    """A bytea column of the selected rows concatenated with no separator, as one bytea."""
+    return func.string_agg(col, literal_column("''::bytea"))
+
+
+def byte_length(col):
+    return func.octet_length(col)
 
 
 def cursor(dbapi_conn):

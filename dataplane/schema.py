@@ -7,7 +7,7 @@ from sqlalchemy import (BigInteger, Column, Float, ForeignKey, Index, Integer, L
 
 from dataplane import columns
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # SQLite only aliases the rowid for a column typed exactly INTEGER PRIMARY KEY.
 Key = BigInteger().with_variant(Integer(), "sqlite")
@@ -65,8 +65,8 @@ trajectories = Table(
     Column("row", Integer, nullable=False),
     Column("checksum", BigInteger, nullable=False),
     Column("created_at", Float, nullable=False),
-    # columns.PACK record of the write-once fields above (select reads these, not the columns); nullable
-    # only so that version-2 catalogs can add it: put and the migration fill it for every row
+    # columns.pack record of the write-once fields above (select reads these, not the columns); nullable
+    # only so that older catalogs can add it: put and the migration fill it for every row
     Column("pack", LargeBinary, nullable=True),
     UniqueConstraint("id", name="dp_trajectories_id_key"),
     Index("dp_trajectories_select", "run", "domain", "status"),
@@ -82,15 +82,21 @@ def pack_rows(rows) -> list[bytes]:
         "teacher_id")))
 
 
-def _add_pack(conn, batch: int = 50_000) -> None:
-    """Version 2 -> 3: add the packed-metadata column and fill it for every row, in seq order by batches."""
+def _add_pack(conn) -> None:
+    conn.execute(text(f"ALTER TABLE {trajectories.name} ADD COLUMN pack {LargeBinary().compile(dialect=conn.dialect)}"))
+
+
+PACK_FILL_BATCH = 50_000  # rows per batch when a migration (re)writes the packed records
+
+
+def _fill_pack(conn) -> None:
+    """(Re)write every row's packed record, in seq order by batches."""
     T = trajectories
-    conn.execute(text(f"ALTER TABLE {T.name} ADD COLUMN pack {LargeBinary().compile(dialect=conn.dialect)}"))
     cols = [T.c[c] for c in ("seq", "length", "shard_id", "reward", "policy_min", "policy_max", "row", "checksum",
                              "id", "group_id", "run", "teacher_id")]
     last = conn.execute(select(func.min(T.c.seq) - 1)).scalar()
     while last is not None:
-        rows = conn.execute(select(*cols).where(T.c.seq > last).order_by(T.c.seq).limit(batch)).mappings().all()
+        rows = conn.execute(select(*cols).where(T.c.seq > last).order_by(T.c.seq).limit(PACK_FILL_BATCH)).mappings().all()
         if not rows:
             break
         conn.execute(update(T).where(T.c.seq == bindparam("k")).values(pack=bindparam("p")),
@@ -101,5 +107,6 @@ def _add_pack(conn, batch: int = 50_000) -> None:
 # version -> steps (SQL text, or a function of the connection) that bring a catalog of that version to the next
 MIGRATIONS: dict[int, list] = {
     1: ["ALTER TABLE dp_trajectories ADD COLUMN meta TEXT"],
-    2: [_add_pack],
+    2: [_add_pack, _fill_pack],
+    3: [_fill_pack],  # version 3's records had no names in them
 }

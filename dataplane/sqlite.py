@@ -50,9 +50,13 @@ def join_numbers(col):
 
 
 def join_bytes(col):
-    """A blob or text column of the selected rows concatenated with no separator, as one blob (UTF-8 for
-    text): group_concat keeps a blob's bytes as they are, NUL bytes included."""
+    """A blob column of the selected rows concatenated with no separator, as one blob: group_concat keeps
+    a blob's bytes as they are, NUL bytes included."""
     return cast(func.group_concat(col, ""), LargeBinary)
+
+
+def byte_length(col):
+    return func.length(col)
 
 
 def cursor(dbapi_conn):

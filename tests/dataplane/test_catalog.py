@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import text
 
 import dataplane
+from dataplane import schema
 from dataplane.schema import SCHEMA_VERSION
 
 from .conftest import make_records
@@ -158,7 +159,7 @@ def _same_selection(a, b) -> None:
     assert a.shard_paths == b.shard_paths and a.teachers == b.teachers
 
 
-def test_a_version_2_catalog_gets_packed_metadata_in_place(any_dp, tmp_path):
+def test_a_version_2_catalog_gets_packed_metadata_in_place(any_dp, tmp_path, monkeypatch):
     """Version 2 had no packed records: opening fills them for every row (in batches), and selections and
     plans come out exactly as from the catalog written by this version."""
     recs = make_records(70, seed=5) + make_records(9, seed=6, run="run-z", id_prefix="z")
@@ -173,15 +174,8 @@ def test_a_version_2_catalog_gets_packed_metadata_in_place(any_dp, tmp_path):
         conn.execute(text("ALTER TABLE dp_trajectories DROP COLUMN pack"))
         conn.execute(text("UPDATE dp_meta SET value = '2' WHERE key = 'schema_version'"))
     any_dp.close()
-    import dataplane.schema as schema
-
-    fill = schema.MIGRATIONS[2][0]
-    steps = schema.MIGRATIONS[2]
-    schema.MIGRATIONS[2] = [lambda conn: fill(conn, batch=16)]  # several batches
-    try:
-        dp = dataplane.open(any_dp.catalog.url, tmp_path / "again", namespace=any_dp.catalog.namespace)
-    finally:
-        schema.MIGRATIONS[2] = steps
+    monkeypatch.setattr(schema, "PACK_FILL_BATCH", 16)  # several batches
+    dp = dataplane.open(any_dp.catalog.url, tmp_path / "again", namespace=any_dp.catalog.namespace)
     try:
         got = dp.select(status=None)
         _same_selection(got, want)
@@ -189,6 +183,23 @@ def test_a_version_2_catalog_gets_packed_metadata_in_place(any_dp, tmp_path):
         p1 = dp.plan(got, tokens_per_rank=400, ranks=3, seed=1, group_aware=True, by_teacher=True)
         p2 = dp.plan(want, tokens_per_rank=400, ranks=3, seed=1, group_aware=True, by_teacher=True)
         assert p1.to_json() == p2.to_json()
+    finally:
+        dp.close()
+
+
+def test_a_version_3_catalog_gets_names_in_its_packed_records(any_dp, tmp_path):
+    """Version 3's records held the fixed-width header only: opening rewrites them."""
+    recs = make_records(30, seed=7)
+    any_dp.put(recs)
+    want = any_dp.select(status=None)
+    header = "substr(pack, 1, 56)" if any_dp.catalog.url.startswith("sqlite") else "substring(pack from 1 for 56)"
+    with any_dp.catalog.engine.begin() as conn:
+        conn.execute(text(f"UPDATE dp_trajectories SET pack = {header}"))
+        conn.execute(text("UPDATE dp_meta SET value = '3' WHERE key = 'schema_version'"))
+    any_dp.close()
+    dp = dataplane.open(any_dp.catalog.url, tmp_path / "again", namespace=any_dp.catalog.namespace)
+    try:
+        _same_selection(dp.select(status=None), want)
     finally:
         dp.close()
 
