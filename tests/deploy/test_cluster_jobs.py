@@ -202,3 +202,44 @@ def test_worker_node_loss_mid_rollout_loses_no_acknowledged_token(cluster, ckpt,
     assert {t: f.token_hash for t, f in hurt.finished.items()} == {t: f.token_hash for t, f in calm.finished.items()}
     recovery_s = slot.running_since[slot.incarnation] - seen["t"]
     assert 0 < recovery_s < 60
+
+
+def test_uri_run_directory_is_probed_from_every_node(cluster, ckpt, tmp_path):
+    """A `pyarrow.fs` URI as the run directory: every node reads the driver's probe object through pyarrow; a URI
+    only the driver reaches (a private tmpfs in its own mount namespace) is one error naming it."""
+    import shutil
+
+    uri = f"file://{tmp_path}/uri-run"
+    res = _postrain(cluster, "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--out", uri,
+                    "--cluster", CLUSTER_TOML, "--dry-run")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert f"storage   ok      run directory {uri} (local): probe object written, read back, deleted, read by all 3 " \
+           "nodes" in res.stdout
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap not installed")
+    private = tmp_path / "driver-only"
+    private.mkdir()
+    res = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(private), "--", sys.executable, "-m",
+                          "deploy.cli", "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "2",
+                          "--out", f"file://{private}/run", "--cluster", CLUSTER_TOML],
+                         capture_output=True, text=True, timeout=180, env={**ENV, "RAY_ADDRESS": cluster.address},
+                         cwd=ROOT)
+    err = [ln for ln in res.stderr.splitlines() if "error" in ln]
+    assert res.returncode == 2 and len(err) == 1, res.stderr
+    assert f"run directory file://{private}/run cannot be read from node(s)" in err[0] and "missing" in err[0]
+
+
+@pytest.mark.slow
+def test_ray_job_submit_rollout_into_a_uri(cluster, ckpt, tmp_path):
+    """`ray job submit` of a rollout whose run directory is a file:// URI: workers on both worker nodes, the
+    report and the shards land under the URI (through pyarrow.fs), nothing in a node-local run directory."""
+    from dataplane.remote import RemoteStore
+
+    uri = f"file://{tmp_path}/uri-rollout"
+    submit(cluster, "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "8", "--workers", "2",
+           "--out", uri, "--cluster", CLUSTER_TOML, "--quiet", "--set", "sampling.max_new_tokens=12")
+    store = RemoteStore(uri)
+    rep = json.loads(store.get("report.json"))
+    assert rep["completed"] == 8 and rep["tokens_lost"] == 0 and rep["tokens_resampled"] == 0
+    assert sorted(ids[-1] for ids in rep["worker_nodes"].values()) == sorted(cluster.worker_node_ids)
+    assert store.list("store/shards", recursive=True) and store.exists("metrics.jsonl")
