@@ -105,12 +105,12 @@ class RunStorage:
             for p in extra.values():
                 p.unlink(missing_ok=True)
         self.publish_files()
-        if keep:
-            committed = [d for d in self.remote.dirs("checkpoints") if self.remote.exists(f"checkpoints/{d}/{MANIFEST}")]
-            for old in committed[:-keep]:
-                if old != path.name:
-                    self.remote.delete(f"checkpoints/{old}/{MANIFEST}")  # un-committed first
-                    self.remote.fs.delete_dir(self.remote.path(f"checkpoints/{old}"))
+        if keep:  # older committed trees beyond `keep`, and what uploads cut short left behind
+            names = [d for d in self.remote.dirs("checkpoints") if d != path.name]
+            committed = [d for d in names if self.remote.exists(f"checkpoints/{d}/{MANIFEST}")]
+            for old in [d for d in names if d not in committed] + committed[:max(0, len(committed) + 1 - keep)]:
+                self.remote.delete(f"checkpoints/{old}/{MANIFEST}")  # un-committed first
+                self.remote.fs.delete_dir(self.remote.path(f"checkpoints/{old}"))
 
     def publish_final(self, path: str | Path) -> None:
         if self.remote is not None:

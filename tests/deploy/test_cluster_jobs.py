@@ -230,14 +230,15 @@ def test_uri_run_directory_is_probed_from_every_node(cluster, ckpt, tmp_path):
 
 
 @pytest.mark.slow
-def test_ray_job_submit_rollout_into_a_uri(cluster, ckpt, tmp_path):
-    """`ray job submit` of a rollout whose run directory is a file:// URI: workers on both worker nodes, the
-    report and the shards land under the URI (through pyarrow.fs), nothing in a node-local run directory."""
+def test_rollout_into_a_uri_on_the_cluster(cluster, ckpt, tmp_path):
+    """A rollout on the cluster whose run directory is a file:// URI: workers on both worker nodes, the report and
+    the shards land under the URI (through pyarrow.fs)."""
     from dataplane.remote import RemoteStore
 
     uri = f"file://{tmp_path}/uri-rollout"
-    submit(cluster, "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "8", "--workers", "2",
-           "--out", uri, "--cluster", CLUSTER_TOML, "--quiet", "--set", "sampling.max_new_tokens=12")
+    res = _postrain(cluster, "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "8", "--workers", "2",
+                    "--out", uri, "--cluster", CLUSTER_TOML, "--quiet", "--set", "sampling.max_new_tokens=12", timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
     store = RemoteStore(uri)
     rep = json.loads(store.get("report.json"))
     assert rep["completed"] == 8 and rep["tokens_lost"] == 0 and rep["tokens_resampled"] == 0

@@ -37,10 +37,11 @@ def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
     s.catalog.parent.mkdir()
     with contextlib.closing(sqlite3.connect(s.catalog)) as db:
         db.executescript("pragma journal_mode=wal; create table t(x); insert into t values (7);")
+    RemoteStore(uri).put("checkpoints/iter_00000000/model/part", b"an upload cut short")
     for i in (1, 2, 3):
         s.publish_checkpoint(_ckpt(s.local / "checkpoints" / f"iter_0000000{i}", str(i)), keep=2)
     remote = RemoteStore(uri)
-    assert [d for d in remote.dirs("checkpoints")] == ["iter_00000002", "iter_00000003"]  # keep=2
+    assert remote.dirs("checkpoints") == ["iter_00000002", "iter_00000003"]  # keep=2; the cut-short one gone
     with pytest.raises(UserError, match=f"run directory {uri} is not empty"):
         RunStorage(uri).prepare()
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # another machine resumes from the URI alone
