@@ -128,8 +128,8 @@ def loop_sets(shape: dict, cuda: bool, prompt_tokens: list[list[int]]) -> list[s
             "advantages.filter_zero_variance=false", "loop.async_rollouts=false",
             f"engine.max_batch={shape['prompts'] * shape['group']}",
             f"engine.max_len={longest + shape['max_new_tokens'] + 8}"]
-    if cuda:  # the learner's GPU micro-batch budget (bench/grpo.py's), the engine in bf16 on the GPU
-        sets += ["engine.device=cuda", "engine.dtype=bfloat16", "learner.device=cuda",
+    if cuda:  # the learner's GPU micro-batch budget (bench/grpo.py's), the engine in bf16 on the GPU, CUDA-graph decode
+        sets += ["engine.device=cuda", "engine.dtype=bfloat16", "engine.cuda_graphs=true", "learner.device=cuda",
                  "learner.micro_batch_tokens=32768", "learner.logprob_chunk_rows=4096", "learner.threads=4"]
     else:
         sets += ["learner.device=cpu", "learner.threads=2"]

@@ -5,7 +5,8 @@ rollout engine, its token WAL, the domain's verifier) decodes them, the finished
 data plane through the loop's sink (acknowledged, then finalized in the WAL, as the pool does) →
 `GRPOLoop._train` (group advantages from the catalog, the group-aware plan, one learner step per
 minibatch on a one-rank `LearnerGroup`, in process as `learner.ranks = 1` runs) → `publish` and the new
-weights into the worker. What `postrain grpo` adds around it is left out: the Ray pool and its calls,
+weights into the worker (the learner's live tensors copied into the engine's parameters in place, device
+to device: no host round trip; the engine hashes its weights only when a KV snapshot needs it). What `postrain grpo` adds around it is left out: the Ray pool and its calls,
 the weights through Ray's object store, evals, checkpoints, retention. The device is synchronised at
 the end of each iteration. `bench/grpo_iteration.py` measures it as ours against TRL.
 
@@ -74,7 +75,7 @@ def run_stages(cfg, domain: str, init: str | Path, out: str | Path, iterations: 
             worker.finalize(acks)
             t_roll = time.perf_counter()
             train = loop._train(k)
-            weights, version = loop.group.publish()
+            weights, version = loop.group.publish(live=True)  # same process: copied device to device
             worker.update_weights(weights, version)
             loop.dp.publish_policy_version(batch_name(k), version)
             _sync()

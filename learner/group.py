@@ -127,8 +127,11 @@ class LearnerWorker:
     def get_policy_version(self) -> int:
         return self.learner.policy_version
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+    def weights(self, live: bool = False) -> dict[str, torch.Tensor]:
+        """Copies on the CPU (one copy from any device), or `live`: the parameter tensors themselves."""
+        if live:
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def rng_state(self) -> dict:
         from learner.checkpoint import capture_rng
@@ -249,10 +252,13 @@ class LearnerGroup:
     def set_policy_version(self, version: int) -> None:
         self._call("set_policy_version", [(version,)] * self.ranks)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Rank 0's parameters on the CPU (every rank holds the same after a step)."""
+    def weights(self, live: bool = False) -> dict[str, torch.Tensor]:
+        """Rank 0's parameters on the CPU (every rank holds the same after a step). `live` with rank 0 in
+        this process: its parameter tensors themselves, on its device, no copy, for a consumer in this
+        process that copies them before the next step (`Engine.load_weights` does, device to device);
+        with Ray ranks `live` is ignored (the weights cross a process boundary as CPU copies)."""
         if self.local is not None:
-            return self.local.weights()
+            return self.local.weights(live)
         import ray
 
         return ray.get(self.actors[0].weights.remote())
@@ -261,12 +267,13 @@ class LearnerGroup:
     def policy_version(self) -> int:
         return self._call("get_policy_version")[0]
 
-    def publish(self) -> tuple[dict[str, torch.Tensor], int]:
+    def publish(self, live: bool = False) -> tuple[dict[str, torch.Tensor], int]:
         """A new policy version: every rank's version + 1 (the staleness of tokens is counted from it);
-        returns the weights to hand to the rollout pool (`RolloutPool.update_weights(state, version)`)."""
+        returns the weights to hand to the rollout pool (`RolloutPool.update_weights(state, version)`), or
+        with `live` to an in-process worker (`weights(live=True)`)."""
         version = self.policy_version + 1
         self.set_policy_version(version)
-        return self.weights(), version
+        return self.weights(live), version
 
     def save_checkpoint(self, root: str | Path, iteration: int) -> Path:
         rngs = self._call("rng_state")

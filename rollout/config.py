@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from core.config import Config
 
@@ -16,6 +16,17 @@ class EngineConfig(Config):
     strict: bool = Field(True, description="batch-invariant mode: one row per forward and decode-point replay on resume")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="weights and KV dtype")
     device: str = Field("cpu", description="torch device of the engine")
+    cuda_graphs: bool = Field(False, description="decode every step as one CUDA graph (the static all-slot forward, "
+                              "captured when the worker starts): on a CUDA device only, a no-op on a CPU; needs "
+                              "strict = false; each step attends over all max_len positions, so keep max_len near "
+                              "the longest trajectory")
+
+    @model_validator(mode="after")
+    def _graphs_need_fast_path(self):
+        if self.cuda_graphs and self.strict:
+            raise ValueError("engine.cuda_graphs needs engine.strict = false (the strict path feeds one row per "
+                             "forward; the CUDA graph decodes every slot at once)")
+        return self
 
 
 class SamplingConfig(Config):

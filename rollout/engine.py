@@ -108,7 +108,7 @@ class Engine:
         self.seqs: dict[str, Seq] = {}
         self._free = list(range(max_batch))
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.fingerprint = fingerprint or model_fingerprint(model)  # callers that share a model pass it once
+        self._fingerprint = fingerprint  # callers that share a model pass it once; else hashed on first use
         self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0}
         # On a CPU a small model's step is Python-bound: a lean forward of the same arithmetic (HF otherwise).
         self._lean = None
@@ -121,12 +121,22 @@ class Engine:
 
     # -- weights ----------------------------------------------------------------------------
     def load_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """New policy weights; tokens drawn from now on record `version`."""
+        """New policy weights, copied into the engine's parameters in place (a captured CUDA graph stays
+        valid; tensors already on the engine's device, a same-process learner's, copy device to device);
+        tokens drawn from now on record `version`."""
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
         if self._lean is not None:  # its fused q/k/v and gate/up weights are copies
             self._lean = LeanForward(self.model)
         self.version = version
-        self.fingerprint = model_fingerprint(self.model)
+        self._fingerprint = None
+
+    @property
+    def fingerprint(self) -> str:
+        """`model_fingerprint` of the weights held now, hashed when first asked for (a KV snapshot's
+        write or check), not on every weight update: hashing copies every parameter to the host."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint
 
     # -- admission --------------------------------------------------------------------------
     @property

@@ -99,7 +99,8 @@ class RolloutWorker:
             model.load_state_dict(weights, strict=True)
         e = spec.engine
         self.engine = Engine(model, tok, seed=spec.seed, max_batch=e.max_batch, max_len=e.max_len or None,
-                             strict=e.strict, policy_version=policy_version, device=e.device)
+                             strict=e.strict, policy_version=policy_version, device=e.device,
+                             static_decode=e.cuda_graphs and torch.device(e.device).type == "cuda")
         self.wal = _open_wal(spec)
         self.committer = AsyncCommitter(self.wal, spec.max_commit_lag, spec.commit_group_steps)
         self.store = SnapshotStore(spec.snapshot_uri)

@@ -96,6 +96,6 @@ def test_ours_on_cuda_at_a_toy_shape(tmp_path):
     ckpt = gi.make_checkpoint(tmp_path / "init", gi.TINY_MODEL)
     shape = gi.TINY_SHAPE
     cfg = _cfg(gi.loop_sets(shape, True, gi.prompt_lengths(load_tokenizer(ckpt), shape, 2)))
-    assert cfg.engine.device == "cuda" and cfg.engine.dtype == "bfloat16"
+    assert cfg.engine.device == "cuda" and cfg.engine.dtype == "bfloat16" and cfg.engine.cuda_graphs
     out = run_stages(cfg, gi.DOMAIN, ckpt, tmp_path / "ours", 2, ignore_eos=True)
     assert [r["optimizer_steps"] for r in out["iterations"]] == [shape["minibatches"]] * 2

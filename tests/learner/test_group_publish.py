@@ -28,3 +28,19 @@ def test_publish_bumps_version_and_hands_out_trained_weights():
     m = group.train_step([[batch]])
     assert m["loss_tokens"] == 0 and m["stale_tokens_removed"] == int(batch.loss_mask_N.sum())
     assert m["staleness_hist_1"] == int(batch.loss_mask_N.sum())
+
+
+def test_live_weights_are_the_parameters_and_the_copies_are_not():
+    """`live`: rank 0's parameter tensors themselves (an in-process consumer copies them, device to device);
+    the default: CPU copies that a later step does not change."""
+    cfg = GRPOConfig.model_validate({"learner": {"device": "cpu", "threads": 1}, "optim": {"lr": 1e-2}})
+    group = LearnerGroup(cfg, TINY)
+    live, copies = group.weights(live=True), group.weights()
+    params = group.local.model.state_dict()
+    assert all(v.data_ptr() == params[k].data_ptr() for k, v in live.items())
+    assert all(v.data_ptr() != params[k].data_ptr() and torch.equal(v, params[k]) for k, v in copies.items())
+    batch = synthetic_packed_batch(len(char_tokenizer()), [10, 12], seed=0, versions=(0, 0))
+    group.train_step([[batch]])
+    state, version = group.publish(live=True)
+    assert version == 1 and any(not torch.equal(v, copies[k]) for k, v in state.items())
+    assert all(torch.equal(v, params[k]) for k, v in state.items())

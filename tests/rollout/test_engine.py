@@ -124,3 +124,33 @@ def test_static_decode_matches_eager_decode(tiny_policy):
     got = [s.tokens for s in static.generate(prompts, P, ids)]
     agree = sum(a == b for x, y in zip(got, eager) for a, b in zip(x, y)) / sum(map(len, eager))
     assert agree > 0.97 and [len(x) for x in got] == [len(x) for x in eager]
+
+
+def test_load_weights_copies_in_place_and_fingerprints_what_it_holds(tiny_policy):
+    """New weights go into the engine's own parameter tensors (a captured decode graph reads those); the
+    caller's tensors (a learner's live ones) stay separate; the fingerprint names the weights held now."""
+    import copy
+
+    from rollout.engine import model_fingerprint
+
+    model, tok = tiny_policy
+    mine = copy.deepcopy(model)
+    eng = Engine(mine, tok, seed=5, max_batch=2, max_len=96, static_decode=True)
+    before, ptrs = eng.fingerprint, {k: v.data_ptr() for k, v in mine.state_dict().items()}
+    torch.manual_seed(0)
+    live = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    if "lm_head.weight" in live:  # tied to the embedding
+        live["lm_head.weight"] = live["model.embed_tokens.weight"]
+    eng.load_weights(live, 1)
+    held = mine.state_dict()
+    assert {k: v.data_ptr() for k, v in held.items()} == ptrs
+    assert all(torch.equal(held[k], v) for k, v in live.items())
+    want = copy.deepcopy(model)
+    want.load_state_dict(live)
+    assert eng.fingerprint == model_fingerprint(want) != before
+    for v in live.values():  # the learner steps on: the engine keeps the published weights
+        v.add_(1.0)
+    assert eng.fingerprint == model_fingerprint(mine) == model_fingerprint(want)
+    fresh = Engine(want, tok, seed=5, max_batch=2, max_len=96, static_decode=True)
+    prompts, ids = _prompts(tok, 3), [f"w{i}" for i in range(3)]
+    assert [s.tokens for s in eng.generate(prompts, P, ids)] == [s.tokens for s in fresh.generate(prompts, P, ids)]

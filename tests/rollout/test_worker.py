@@ -211,3 +211,19 @@ def test_resume_through_the_wal_service(tmp_path, tiny_ckpt, reference):
         assert srv.wal.trajectories() == []  # all finalized on the service
     finally:
         srv.stop()
+
+
+def test_cuda_graphs_setting_needs_the_fast_path_and_is_a_no_op_on_a_cpu(tmp_path, tiny_ckpt):
+    with pytest.raises(ValueError, match="engine.cuda_graphs needs engine.strict = false"):
+        EngineConfig(cuda_graphs=True, strict=True)
+    outs = []
+    for name, graphs in (("plain", False), ("graphs", True)):
+        spec = WorkerSpec(name=name, checkpoint=str(tiny_ckpt), wal_path=str(tmp_path / name / "wal"),
+                          snapshot_uri=str(tmp_path / name / "kv"), seed=11,
+                          engine=EngineConfig(max_batch=4, strict=False, cuda_graphs=graphs, device="cpu"))
+        w = RolloutWorker(spec)
+        assert w.engine.static is None  # CUDA graphs are CUDA-only: the CPU keeps its eager (lean) decode
+        w.submit(_requests(3))
+        outs.append({t: f.tokens for t, f in _drain(w).items()})
+        w.close()
+    assert outs[0] == outs[1] and len(outs[0]) == 3
