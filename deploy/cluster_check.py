@@ -155,8 +155,21 @@ def _storage(run: ClusterRun, cfg, nodes: list[dict]) -> str:
     return f"run directory {run.run_dir} seen by {seen}" + extra
 
 
-def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout) -> None:
-    """Print one line per dependency; UserError naming the failed ones after the report."""
+def _checkpoint(uri: str) -> str:
+    from dataplane.remote import RemoteStore
+
+    store = RemoteStore(uri)
+    for rel in ("", "final"):
+        m = store.manifest(rel)
+        if m is not None:
+            size = sum(e["bytes"] for e in m["files"].values())
+            return f"{store.url(rel)}: committed, {len(m['files'])} files, {size} bytes (sha256 checked on download)"
+    raise UserError(f"checkpoint {uri}: no committed checkpoint there (no MANIFEST.json in it or in its final/)")
+
+
+def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout, checkpoint: str = "") -> None:
+    """Print one line per dependency; UserError naming the failed ones after the report. `checkpoint`: the
+    checkpoint the run starts from, checked when it is a URI."""
     results, nodes = [], []
 
     def one(name, fn, *a):
@@ -180,6 +193,8 @@ def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout) -> None:
     if run.tools:
         one("sandbox", _sandbox, run, cfg, nodes)
     one("storage", _storage, run, cfg, nodes)
+    if "://" in str(checkpoint):
+        one("checkpoint", _checkpoint, str(checkpoint))
     failed = [n for n, ok, _ in results if not ok]
     if failed:
         raise UserError(f"dry run: {len(failed)} of {len(results)} checks failed ({', '.join(failed)})")

@@ -54,7 +54,7 @@ def run(args) -> int:
     if args.dry_run:
         from deploy.cluster_check import check
 
-        check(cluster, cfg, cfg.loop.catalog)
+        check(cluster, cfg, cfg.loop.catalog, checkpoint=args.init)
         return 0
     if args.keep_data:
         cfg.loop.keep_data = True

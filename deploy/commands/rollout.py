@@ -55,7 +55,7 @@ def run(args) -> int:
     if args.dry_run:
         from deploy.cluster_check import check
 
-        check(cluster, cfg, cluster.c.storage.catalog)
+        check(cluster, cfg, cluster.c.storage.catalog, checkpoint=args.checkpoint)
         return 0
     injector = None
     if args.chaos is not None:

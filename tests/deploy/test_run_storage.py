@@ -77,15 +77,19 @@ def test_local_checkpoint_reads_committed_trees_only(tmp_path, monkeypatch):
 def test_dry_run_probes_the_uri(tmp_path):
     from tests.deploy.test_cluster_config import postrain
 
-    args = ["grpo", "--domain", "reverse", "--init", "x", "--iterations", "1", "--dry-run", "--out"]
+    RemoteStore(f"file://{tmp_path}/base").upload_tree(_ckpt(tmp_path / "src", "A"), "")
+    args = ["grpo", "--domain", "reverse", "--init", f"file://{tmp_path}/base", "--iterations", "1", "--dry-run", "--out"]
     res = postrain(*args, f"file://{tmp_path}/run")
     assert res.returncode == 0, res.stderr
-    line = [ln for ln in res.stdout.splitlines() if ln.split()[0] == "storage"][0]
-    assert f"ok      run directory file://{tmp_path}/run (local): probe object written, read back, deleted" in line
+    rows = {ln.split()[0]: ln for ln in res.stdout.splitlines()[1:-1]}
+    assert f"ok      run directory file://{tmp_path}/run (local): probe object written, read back, deleted" in rows["storage"]
+    assert f"ok      file://{tmp_path}/base: committed, 2 files, 76 bytes" in rows["checkpoint"]
     assert not (tmp_path / "run").exists(), "a dry run leaves nothing behind"
+    args[4] = f"file://{tmp_path}/src"  # files, no manifest: not a committed checkpoint
     res = postrain(*args, "file:///proc/postrain-run")
     assert res.returncode == 2 and "storage   FAILED  storage file:///proc/postrain-run/.probe-" in res.stdout
-    assert "cannot write" in res.stdout and "1 of 4 checks failed (storage)" in res.stderr
+    assert f"checkpoint FAILED  checkpoint file://{tmp_path}/src: no committed checkpoint there" in res.stdout
+    assert "cannot write" in res.stdout and "2 of 5 checks failed (storage, checkpoint)" in res.stderr
 
 
 @pytest.mark.slow
