@@ -266,20 +266,24 @@ def child_select_plan(a) -> dict:
         t0 = time.perf_counter()
         fill_catalog(cat, n, seed=a.seed)
         fill_s = time.perf_counter() - t0
-        select_s, plan_s = [], []
+        select_s, plan_s, cpu_s, load = [], [], [], []
         for k in range(a.repeats_1m):
-            t0 = time.perf_counter()
+            load.append(os.getloadavg()[0])
+            t0, c0 = time.perf_counter(), time.process_time()
             sel = cat.select()
             t1 = time.perf_counter()
             planner.make_plan(sel, a.tokens_per_rank, a.ranks, seed=a.seed, epoch=k, group_aware=True)
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             if len(sel) != n:
                 raise RuntimeError(f"selected {len(sel)} of {n} trajectories")
             select_s.append(t1 - t0)
             plan_s.append(t2 - t1)
+            cpu_s.append(c2 - c0)
         total = [s + p for s, p in zip(select_s, plan_s)]
         return {"backend": cat.backend.__name__.rsplit(".", 1)[-1], "trajectories": n, "fill_s": fill_s,
                 "select_s_all": select_s, "plan_s_all": plan_s, "select_plus_plan_s_all": total,
+                # context on a shared machine: this process's CPU seconds (not the database server's)
+                "select_plus_plan_cpu_s_all": cpu_s, "load_avg_all": load,
                 "select_plus_plan_s_median": float(np.median(total)), "peak_rss_mb": _status_mb("VmHWM")}
     finally:
         cat.close()

@@ -24,9 +24,9 @@ from dataplane.types import STATUSES, Selection
 T = trajectories
 
 
-def _order(ids: pa.Array, run: pa.Array, group_id: pa.Array) -> tuple[np.ndarray, np.ndarray]:
-    """(order, key): the permutation into bytewise (run, group id, id) order, and each row's dense rank of
-    (run, group id) along it. Runs and group ids are ranked through their distinct values and rows sorted
+def _order(ids: pa.Array, run: pa.Array, group_id: pa.Array) -> tuple[np.ndarray, np.ndarray, pa.Array]:
+    """(order, group, ids in order): the permutation into bytewise (run, group id, id) order, and each
+    row's dense rank of (run, group id) along it. Runs and group ids are ranked through their distinct values and rows sorted
     by that rank; ids are compared only where some group's rows do not already come in id order (rows
     usually arrive in insertion order, which keeps a group's ids in order)."""
     n = len(ids)
@@ -42,14 +42,28 @@ def _order(ids: pa.Array, run: pa.Array, group_id: pa.Array) -> tuple[np.ndarray
     if n > 1 and ((k[1:] == k[:-1]) & ~pc.greater(s[1:], s[:-1]).to_numpy(zero_copy_only=False)).any():
         order = order[pc.sort_indices(pa.table({"k": k, "i": s}),
                                       sort_keys=[("k", "ascending"), ("i", "ascending")]).to_numpy()]
-        k = key[order]
+        k, s = key[order], ids.take(pa.array(order))
     dense = np.zeros(n, dtype=np.int64)
     if n:
         np.cumsum(k[1:] != k[:-1], out=dense[1:])
-    return order, dense
+    return order, dense, s
 
 
-def _selection(n: int, rec: np.ndarray, seq: np.ndarray, names: dict[str, pa.Array], paths: dict) -> Selection:
+def _codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(distinct values ascending, each value's index among them); by a table when the values are compact
+    (shard ids: autoincremented), else by sorting."""
+    lo, hi = (int(values.min()), int(values.max())) if values.size else (0, -1)
+    if lo < 0 or hi >= 4 * values.size + 1024:
+        return np.unique(values, return_inverse=True)
+    table = np.zeros(hi + 2, dtype=np.int64)
+    table[values] = 1
+    distinct = np.flatnonzero(table)
+    np.cumsum(table, out=table)
+    return distinct, table[values] - 1
+
+
+def _selection(n: int, rec: np.ndarray, seq: np.ndarray, names: dict[str, pa.Array], shard_ids: np.ndarray,
+               shard: np.ndarray, paths: dict) -> Selection:
     """A Selection from unordered, aligned columns (seq, columns.PACK records, names as Arrow binary
     arrays): canonical (run, group id, id) bytewise order, dense group codes over (run, group id), dense
     teacher codes in bytewise name order."""
@@ -58,19 +72,18 @@ def _selection(n: int, rec: np.ndarray, seq: np.ndarray, names: dict[str, pa.Arr
         return Selection(ids=np.zeros(0, dtype="<U1"), seq=z, length=z, group=z, teacher=z, reward=np.zeros(0),
                          policy_min=z, policy_max=z, shard=z, row=z, checksum=np.zeros(0, dtype=np.uint32),
                          shard_paths=[], teachers=[])
-    order, group = _order(names["id"], names["run"], names["group_id"])
+    order, group, ids = _order(names["id"], names["run"], names["group_id"])
     enc = pc.dictionary_encode(names["teacher"])
     teachers = enc.dictionary.to_pylist()  # bytes
     rank = np.empty(len(teachers), dtype=np.int64)
     rank[sorted(range(len(teachers)), key=teachers.__getitem__)] = np.arange(len(teachers))
     teacher_code = rank[enc.indices.to_numpy(zero_copy_only=False)]
-    shard_ids = np.array(sorted(paths), dtype=np.int64)
     field = lambda name, dtype=np.int64: rec[name][order].astype(dtype, copy=False)  # noqa: E731
     return Selection(
-        ids=columns.to_numpy_str(names["id"].take(pa.array(order))),
+        ids=columns.to_numpy_str(ids),
         seq=seq[order], length=field("length"), group=group, teacher=teacher_code[order],
         reward=field("reward", np.float64), policy_min=field("policy_min"), policy_max=field("policy_max"),
-        shard=np.searchsorted(shard_ids, field("shard_id")), row=field("row"), checksum=field("checksum", np.uint32),
+        shard=shard[order], row=field("row"), checksum=field("checksum", np.uint32),
         shard_paths=[paths[s] for s in shard_ids.tolist()],
         teachers=[b.decode("utf-8") for b in sorted(teachers)],
     )
@@ -267,10 +280,10 @@ class Catalog:
                 raise DataPlaneError(f"catalog {self._safe_url()}: {n - n_packed} selected trajectories have no "
                                      "packed metadata (rows written around the data plane's put)")
             rec, strs = columns.unpack(packed, columns.numbers(sizes, n, np.int64))
-            shard_ids = np.unique(rec["shard_id"]).tolist()
-            paths = dict(conn.execute(select(shards.c.id, shards.c.path).where(shards.c.id.in_(shard_ids))).all()) \
-                if shard_ids else {}
-        return _selection(n, rec, columns.numbers(seq, n, np.int64), strs, paths)
+            shard_ids, shard = _codes(rec["shard_id"])
+            paths = dict(conn.execute(select(shards.c.id, shards.c.path).where(
+                shards.c.id.in_(shard_ids.tolist()))).all()) if n else {}
+        return _selection(n, rec, columns.numbers(seq, n, np.int64), strs, shard_ids, shard, paths)
 
     def meta(self, ids) -> dict[str, dict]:
         """The `meta` object of each trajectory in `ids` that has one."""
