@@ -13,6 +13,7 @@ Plus planning 1,000,000 trajectories' metadata in-process (pure numpy).
 
     python -m bench.dataplane --json [--n 20000] [--tokens 20000000] [--out bench/results/dataplane.json]
     python -m bench.dataplane --json --only select_plan     # just select + plan of 1M on both catalogs
+    python -m bench.dataplane --json --only loader          # just build the 10xT dataset and measure on it
 """
 from __future__ import annotations
 
@@ -380,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-ray", action="store_true", help="skip the Ray Data baseline")
     ap.add_argument("--dir", default=None, help="scratch directory (default: a temp dir, deleted afterwards)")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
-    ap.add_argument("--only", choices=["select_plan"], default=None,
-                    help="run one part: select_plan = select + plan of --n-1m catalogued trajectories on each "
-                         "catalog (a partial result: not with --out)")
+    ap.add_argument("--only", choices=["select_plan", "loader"], default=None,
+                    help="run one part (a partial result: not with --out): select_plan = select + plan of --n-1m "
+                         "catalogued trajectories on each catalog; loader = build the 10xT dataset and measure plan "
+                         "+ loader on it (no baselines)")
     ap.add_argument("--child", choices=sorted(CHILDREN), default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -407,17 +409,19 @@ def main(argv: list[str] | None = None) -> int:
                                      "is shared)"},
            "sizes": {}}
     try:
-        for name, tokens in (("1x", a.tokens), ("10x", 10 * a.tokens)) if not a.only else ():
+        sizes = {None: (("1x", a.tokens), ("10x", 10 * a.tokens)), "loader": (("10x", 10 * a.tokens),)}
+        for name, tokens in sizes.get(a.only, ()):
             ddir = scratch / name
             ddir.mkdir()
             print(f"[dataplane bench] {name}: building {a.n} trajectories, {tokens} tokens", file=sys.stderr)
             size = {"gen": _spawn("gen", a, ddir, tokens, 600)}
             print(f"[dataplane bench] {name}: measuring plan + loader", file=sys.stderr)
             size["measure"] = _spawn("measure", a, ddir, tokens, 600)
-            print(f"[dataplane bench] {name}: full-copy shuffle baselines", file=sys.stderr)
-            size["take"] = _spawn("take", a, ddir, tokens, 600)
-            size["ray"] = {"skipped": True} if a.no_ray else _spawn("ray", a, ddir, tokens, 300)
             out["sizes"][name] = size
+            if not a.only:
+                print(f"[dataplane bench] {name}: full-copy shuffle baselines", file=sys.stderr)
+                size["take"] = _spawn("take", a, ddir, tokens, 600)
+                size["ray"] = {"skipped": True} if a.no_ray else _spawn("ray", a, ddir, tokens, 300)
             shutil.rmtree(ddir, ignore_errors=True)
         if not a.only:
             print("[dataplane bench] planning 1,000,000 trajectories", file=sys.stderr)
@@ -425,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
             print("[dataplane bench] plan time at N and 10 N trajectories", file=sys.stderr)
             out["plan_scaling"] = _plan_scaling(a)
         out["select_plan_1m"] = {}
-        for name, catalog in (("sqlite", "sqlite"), ("postgresql", a.pg)):
+        for name, catalog in (("sqlite", "sqlite"), ("postgresql", a.pg)) if a.only in (None, "select_plan") else ():
             if not catalog:
                 out["select_plan_1m"][name] = {"skipped": True}
                 continue
@@ -438,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     if a.only:
         out["only"] = a.only
-        out["targets"] = _select_plan_targets(a, out)
+        out["targets"] = _select_plan_targets(a, out) if a.only == "select_plan" else _loader_target(out)
         return _finish(a, out, t_start)
     s1, s10 = out["sizes"]["1x"], out["sizes"]["10x"]
     try:
@@ -455,7 +459,6 @@ def main(argv: list[str] | None = None) -> int:
             "ray_random_shuffle_s_1x": s1["ray"].get("random_shuffle_s"), "ray_random_shuffle_s_10x": ray10,
             "ray_vs_plan_10x": (ray10 / m10["plan_s"]) if ray10 else None,
         }
-        loader_gb_s = m10["loader_gb_s"]
         # context, no longer targets: a fixed N (plan time cannot grow with tokens), a copy against a plan
         # that moves no bytes, the planner without the catalog
         out["figures"].update({
@@ -474,13 +477,18 @@ def main(argv: list[str] | None = None) -> int:
             "epoch_vs_full_copy_shuffle": _target(epoch_ratio, ">= 2 (10x dataset: Table.take shuffle + cutting every "
                                                   "minibatch into contiguous arrays, over plan + the loader's epoch on all "
                                                   f"ranks; median of {a.loader_repeats} tries each)", epoch_ratio >= 2),
-            "loader_gb_s": _target(loader_gb_s, ">= 1 (10x dataset, page cache, all ranks; bytes read from the "
-                                   "shards into batches per wall second, see config.loader_gb_s)", loader_gb_s >= 1),
+            **_loader_target(out),
         }
         out["targets"].update(_select_plan_targets(a, out))
     except (KeyError, TypeError, ZeroDivisionError) as exc:
         out["error"] = f"a measurement failed, see sizes: {type(exc).__name__}: {exc}"
     return _finish(a, out, t_start)
+
+
+def _loader_target(out: dict) -> dict:
+    v = out["sizes"]["10x"]["measure"].get("loader_gb_s")
+    return {"loader_gb_s": _target(v, ">= 1 (10x dataset, page cache, all ranks; bytes read from the shards into "
+                                      "batches per wall second, see config.loader_gb_s)", v is not None and v >= 1)}
 
 
 def _select_plan_targets(a, out: dict) -> dict:
