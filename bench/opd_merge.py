@@ -33,7 +33,15 @@ def teachers_of_run(run: Path) -> tuple[Path, dict[str, Path]]:
     """The base and each domain's teacher of a pipeline run directory."""
     spec = json.loads((run / "specialists" / "manifest.json").read_text())
     base = Path(json.loads((run / "sft" / "manifest.json").read_text())["outputs"]["base"]["path"])
-    return base, {d: Path(o["path"]) for d, o in spec["outputs"].items()}
+    return _in_run(run, base), {d: _in_run(run, Path(o["path"])) for d, o in spec["outputs"].items()}
+
+
+def _in_run(run: Path, path: Path) -> Path:
+    """A manifest's output path, relative to the directory the pipeline ran in (`runs/NAME/...`), found
+    inside `run` when this process runs elsewhere."""
+    if path.is_absolute() or path.exists() or run.name not in path.parts:
+        return path
+    return run / Path(*path.parts[path.parts.index(run.name) + 1:])
 
 
 def _last_eval(out: Path, domains: list[str]) -> dict[str, float]:
