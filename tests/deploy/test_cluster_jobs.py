@@ -119,20 +119,27 @@ def test_demands_the_cluster_cannot_hold_fail_at_start(cluster, ckpt, tmp_path):
     assert not (tmp_path / "o" / "config.json").exists(), "refused before the run began (no worker was started)"
 
 
-def test_run_dir_only_the_driver_sees_is_refused(cluster, ckpt, tmp_path):
-    """The driver runs in a mount namespace of its own where the run directory is a private tmpfs (as a
-    node-local disk would be): the probe from the other nodes finds nothing there."""
+def _rollout_in_driver_only_dir(cluster, ckpt, tmp_path, out_of):
+    """`postrain rollout --cluster` run by a driver in a mount namespace of its own, where the directory
+    `out_of(private)` lies on a private tmpfs (as a node-local disk would be)."""
     import shutil
 
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap not installed")
     private = tmp_path / "driver-only"
     private.mkdir()
-    res = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(private), "--", sys.executable, "-m",
-                          "deploy.cli", "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "2",
-                          "--out", str(private / "run"), "--cluster", CLUSTER_TOML],
-                         capture_output=True, text=True, timeout=180, env={**ENV, "RAY_ADDRESS": cluster.address},
-                         cwd=ROOT)
+    return subprocess.run(["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(private), "--", sys.executable, "-m",
+                           "deploy.cli", "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "2",
+                           "--out", out_of(private), "--cluster", CLUSTER_TOML],
+                          capture_output=True, text=True, timeout=180, env={**ENV, "RAY_ADDRESS": cluster.address},
+                          cwd=ROOT)
+
+
+def test_run_dir_only_the_driver_sees_is_refused(cluster, ckpt, tmp_path):
+    """The driver runs in a mount namespace of its own where the run directory is a private tmpfs (as a
+    node-local disk would be): the probe from the other nodes finds nothing there."""
+    res = _rollout_in_driver_only_dir(cluster, ckpt, tmp_path, lambda private: str(private / "run"))
+    private = tmp_path / "driver-only"
     err = [ln for ln in res.stderr.splitlines() if "error" in ln]  # (Ray may print a notice of its own)
     assert res.returncode == 2 and len(err) == 1, res.stderr
     assert f"run directory {private / 'run'} is not visible from node(s)" in err[0]
@@ -207,23 +214,14 @@ def test_worker_node_loss_mid_rollout_loses_no_acknowledged_token(cluster, ckpt,
 def test_uri_run_directory_is_probed_from_every_node(cluster, ckpt, tmp_path):
     """A `pyarrow.fs` URI as the run directory: every node reads the driver's probe object through pyarrow; a URI
     only the driver reaches (a private tmpfs in its own mount namespace) is one error naming it."""
-    import shutil
-
     uri = f"file://{tmp_path}/uri-run"
     res = _postrain(cluster, "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--out", uri,
                     "--cluster", CLUSTER_TOML, "--dry-run")
     assert res.returncode == 0, res.stdout + res.stderr
     assert f"storage   ok      run directory {uri} (local): probe object written, read back, deleted, read by all 3 " \
            "nodes" in res.stdout
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap not installed")
+    res = _rollout_in_driver_only_dir(cluster, ckpt, tmp_path, lambda private: f"file://{private}/run")
     private = tmp_path / "driver-only"
-    private.mkdir()
-    res = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(private), "--", sys.executable, "-m",
-                          "deploy.cli", "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "2",
-                          "--out", f"file://{private}/run", "--cluster", CLUSTER_TOML],
-                         capture_output=True, text=True, timeout=180, env={**ENV, "RAY_ADDRESS": cluster.address},
-                         cwd=ROOT)
     err = [ln for ln in res.stderr.splitlines() if "error" in ln]
     assert res.returncode == 2 and len(err) == 1, res.stderr
     assert f"run directory file://{private}/run cannot be read from node(s)" in err[0] and "missing" in err[0]
