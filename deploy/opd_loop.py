@@ -183,6 +183,7 @@ class OPDLoop:
     def _iterate(self, start: int) -> dict:
         lp = self.cfg.loop
         last_eval = self._evaluate(0, self.group.weights()) if start == 0 else None
+        self._kl_row = {} if start == 0 else None  # the KL row `_mixture` reads (None: read it back once)
         done = start
         for k in range(start, self.iterations):
             t0 = time.monotonic()
@@ -196,6 +197,7 @@ class OPDLoop:
             cache = self._fill(k, sampled)
             t_train = time.monotonic()
             train = self._train(k, sampled)
+            self._kl_row = train
             t1 = time.monotonic()
             weights, version = self.group.publish()
             self.pool.update_weights(weights, version)
@@ -234,13 +236,16 @@ class OPDLoop:
 
     def _mixture(self, k: int) -> dict[str, float] | None:
         """Iteration k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from
-        the per-teacher KL that iteration k-1 logged, read back from metrics.jsonl, so that a resumed run
-        draws what the uninterrupted one drew."""
+        the per-teacher KL that iteration k-1 logged (kept from its train row; a resumed run reads it back
+        from metrics.jsonl, and JSON keeps the floats exact), so that it draws what the uninterrupted run
+        drew."""
         lp = self.cfg.loop
         if lp.mixture != "kl":
             return None
-        row = next((r for r in self.run.read_metrics() if r.get("stage") == "train" and r.get("iteration") == k), {})
-        kl = {}
+        if self._kl_row is None:  # a resumed run: the row iteration k-1 logged, read back once
+            self._kl_row = next((r for r in self.run.read_metrics()
+                                 if r.get("stage") == "train" and r.get("iteration") == k), {})
+        row, kl = self._kl_row, {}
         for d in self.domains:
             mine = [t for t in self.teachers if t.domain == d and f"kl_{t.name}" in row]
             if mine:
