@@ -71,6 +71,20 @@ _I64_MAX = (1 << 63) - 1
 _SMALL = 64  # lists up to this length are packed with the array module
 _LITTLE = sys.byteorder == "little"
 _TOKEN_NP = np.dtype(TOKEN_DTYPE)
+_LOGPROB_NP = np.dtype(LOGPROB_DTYPE)
+
+
+def _has_negative(x: np.ndarray) -> bool:
+    """Whether non-empty integer `x` holds a negative: its smallest element, found by argmin (0.3 us at 512
+    int32, a fifth of a ufunc reduction's `min`, whose set-up dominates at this size)."""
+    return x[x.argmin()] < 0
+
+
+def _has_nan(x: np.ndarray) -> bool:
+    """Whether float64 `x` holds a NaN: x . x is NaN exactly then (squares are >= 0 or +inf, never NaN
+    unless an element is), in one BLAS call, four times cheaper than a sum + isnan at 512 elements."""
+    d = x.dot(x)
+    return d != d
 
 
 class CodecError(ValueError):
@@ -410,6 +424,10 @@ def decode_segment_header(buf: bytes) -> int:
 
 def pack_tokens(tokens) -> bytes:
     """Token ids (list, array or numpy integers) -> packed little-endian int32; rejects non-integers and ids outside 0..2^31-1."""
+    if type(tokens) is np.ndarray and tokens.dtype == _TOKEN_NP and tokens.ndim == 1:  # what a decode loop holds
+        if tokens.size and _has_negative(tokens):
+            raise CodecError(f"token ids must lie in 0..{_I32_MAX}, got {int(tokens.min())}..{int(tokens.max())}")
+        return tokens.tobytes()
     if type(tokens) is list:  # Python lists: the array module converts them faster than numpy
         try:
             packed = array("i", tokens)
@@ -443,13 +461,17 @@ def pack_tokens(tokens) -> bytes:
 
 def pack_logprobs(logprobs, n: int) -> bytes:
     """Log-probs -> packed little-endian float64; exactly `n` of them, no NaN."""
+    if type(logprobs) is np.ndarray and logprobs.dtype == _LOGPROB_NP and logprobs.ndim == 1 and logprobs.size == n:
+        if n and _has_nan(logprobs):
+            raise CodecError("logprobs contain NaN")
+        return logprobs.tobytes()
     if type(logprobs) is list and len(logprobs) == n:
         try:
             packed = array("d", logprobs)
         except TypeError:
             packed = None
         if packed is not None and (all(x == x for x in packed) if n <= _SMALL  # x != x only for NaN
-                                   else not np.isnan(np.frombuffer(packed, np.float64)).any()):
+                                   else not _has_nan(np.frombuffer(packed, np.float64))):
             if not _LITTLE:
                 packed.byteswap()
             return packed.tobytes()
@@ -463,7 +485,7 @@ def pack_logprobs(logprobs, n: int) -> bytes:
         raise CodecError(f"logprobs must be one-dimensional, got shape {arr.shape}")
     if arr.size != n:
         raise CodecError(f"got {arr.size} logprobs for {n} tokens; there must be one per token")
-    if n and np.isnan(arr.sum()) and np.isnan(arr).any():  # one reduction in the common case (a NaN makes the sum NaN)
+    if n and _has_nan(arr):
         raise CodecError("logprobs contain NaN")
     return arr.tobytes()
 
@@ -476,9 +498,9 @@ def check_packed(tokens: bytes, logprobs: bytes) -> int:
         raise CodecError(f"{len(tokens)} bytes of tokens and {len(logprobs)} bytes of logprobs: want 4 bytes "
                          "(int32 LE) per token and 8 (float64 LE) per log-prob")
     if n:
-        if int(np.frombuffer(tokens, TOKEN_DTYPE).min()) < 0:
+        if _has_negative(np.frombuffer(tokens, TOKEN_DTYPE)):
             raise CodecError(f"token ids must lie in 0..{_I32_MAX}, got a negative one")
-        if np.isnan(np.frombuffer(logprobs, LOGPROB_DTYPE)).any():
+        if _has_nan(np.frombuffer(logprobs, LOGPROB_DTYPE)):
             raise CodecError("logprobs contain NaN")
     return n
 

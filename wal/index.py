@@ -109,6 +109,7 @@ class TokenIndex:
         self.finalized: set[str] = set()
         self.forgotten: set[str] = set()
         self.group: StepGroup | None = None
+        self._dissolved: StepGroup | None = None  # the last group, its row arrays for the next one
         self.durable_lsn = durable_lsn  # the log's durable lsn (which group rows are settled)
 
     @property
@@ -121,11 +122,13 @@ class TokenIndex:
         g, self.group = self.group, None
         if g is not None:
             g.dissolve(self.durable_lsn())
+            self._dissolved = g
 
     def start_group(self, ids: list[str], trajs: list[Trajectory]) -> StepGroup:
         """Begin a group over these (known, distinct) trajectories at their current lengths."""
         self.dissolve()
-        self.group = StepGroup(ids, trajs, [t.idb for t in trajs])
+        reuse, self._dissolved = self._dissolved, None
+        self.group = StepGroup(ids, trajs, [t.idb for t in trajs], reuse)
         return self.group
 
     def new_part(self, traj_id: str, start: int, tokens: bytes, logprobs: bytes, version: int) -> tuple[int, int] | None:

@@ -109,6 +109,35 @@ def test_pack_logprobs_checks_count_and_nan():
         codec.pack_logprobs(["x"], 1)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_numpy_fast_paths_check_every_element(seed):
+    """int32 / float64 arrays take their own path (argmin, x . x): a negative id or a NaN anywhere is
+    refused; +-inf and huge log-probs (whose squares overflow) are not NaN; other dtypes and strided
+    views give the same bytes as lists."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 700))
+    toks = rng.integers(0, 2**31 - 1, n, dtype=np.int32)
+    lps = -rng.random(n) * 10.0 ** rng.integers(0, 300)
+    lps[rng.integers(n)] = -np.inf
+    lps[rng.integers(n)] = np.finfo(np.float64).max
+    assert codec.pack_tokens(toks) == codec.pack_tokens(toks.tolist()) == toks.astype("<i4").tobytes()
+    assert codec.pack_logprobs(lps, n) == codec.pack_logprobs(lps.tolist(), n) == lps.tobytes()
+    assert codec.check_packed(toks.tobytes(), lps.tobytes()) == n
+    bad_t, bad_l = toks.copy(), lps.copy()
+    bad_t[rng.integers(n)] = -int(rng.integers(1, 2**31))
+    bad_l[rng.integers(n)] = np.nan
+    with pytest.raises(codec.CodecError, match="0..2147483647"):
+        codec.pack_tokens(bad_t)
+    with pytest.raises(codec.CodecError, match="NaN"):
+        codec.pack_logprobs(bad_l, n)
+    with pytest.raises(codec.CodecError, match="negative"):
+        codec.check_packed(bad_t.tobytes(), lps.tobytes())
+    with pytest.raises(codec.CodecError, match="NaN"):
+        codec.check_packed(toks.tobytes(), bad_l.tobytes())
+    wide = np.concatenate([toks, toks])[::2]  # a strided view
+    assert codec.pack_tokens(wide) == codec.pack_tokens(wide.tolist())
+
+
 def test_encode_rejects_bad_ids_and_mismatched_payloads():
     with pytest.raises(codec.CodecError):
         codec.encode_finalize(0, "")

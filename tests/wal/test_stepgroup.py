@@ -17,9 +17,12 @@ def _same(a, b, ids) -> None:
         assert a.policy_versions(t) == b.policy_versions(t), t
 
 
-@pytest.mark.parametrize("seed,max_rows", [(0, 3), (1, 1024), (2, 1)])
-def test_step_group_reads_equal_item_by_item_appends(tmp_path, monkeypatch, seed, max_rows):
+@pytest.mark.parametrize("seed,max_rows,tile_rows", [(0, 3, 16), (1, 1024, 16), (2, 1, 16), (3, 7, 2), (4, 1024, 3)])
+def test_step_group_reads_equal_item_by_item_appends(tmp_path, monkeypatch, seed, max_rows, tile_rows):
     monkeypatch.setattr(stepgroup, "MAX_ROWS", max_rows)  # small groups: dissolved and restarted often
+    if tile_rows != stepgroup.TILE_ROWS:  # the tiled transposition (partial last tiles included); else one copy
+        monkeypatch.setattr(stepgroup, "TILE_ROWS", tile_rows)
+        monkeypatch.setattr(stepgroup, "_TILED_MIN_COLUMNS", 1)
     rng = np.random.default_rng(seed)
     a, b = wal.open(tmp_path / "a"), wal.open(tmp_path / "b")
     pool = [f"traj-{k}" for k in range(40)]
