@@ -131,7 +131,10 @@ def using(backend):
 
 # --- helpers made of primitives ---
 def pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data)
+    n = pwrite(fd, data, offset)
+    if n == len(data):  # the common case: one call
+        return
+    view, offset = memoryview(data)[n:], offset + n
     while view:
         n = pwrite(fd, view, offset)
         view, offset = view[n:], offset + n

@@ -78,3 +78,26 @@ def test_helpers_write_file_rmtree(tmp_path):
     os.symlink(tmp_path / "f", tmp_path / "t" / "link")
     fileio.rmtree(tmp_path / "t")
     assert not (tmp_path / "t").exists() and (tmp_path / "f").exists()
+
+
+@pytest.mark.parametrize("limit", [1, 7, 4096, 1 << 20])
+def test_pwrite_all_finishes_short_writes(tmp_path, limit):
+    """pwrite may write less than asked: pwrite_all writes the rest at the right offsets (one call when
+    the first writes everything)."""
+    data = os.urandom(10_000)
+    calls = []
+
+    def short_pwrite(fd, buf, offset):
+        calls.append(offset)
+        return os.pwrite(fd, bytes(buf[:limit]), offset)
+
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.pwrite(fd, b"\xff" * 20_000, 0)
+        with fileio.using({**fileio.DEFAULT, "pwrite": short_pwrite}):
+            fileio.pwrite_all(fd, data, 123)
+    finally:
+        os.close(fd)
+    got = (tmp_path / "f").read_bytes()
+    assert got[123:123 + len(data)] == data and got[:123] == b"\xff" * 123 and got[123 + len(data):] == b"\xff" * (20_000 - 123 - len(data))
+    assert len(calls) == -(-len(data) // limit) and calls == [123 + k * limit for k in range(len(calls))]
