@@ -98,3 +98,10 @@ def test_uncommitted_rows_stay_hidden_and_errors_leave_the_group_consistent(tmp_
     w = wal.open(tmp_path)
     assert w.trajectories() == ids[1:] and w.tokens("t4") == [4, 5, 6, 7, 4, 3]
     w.close()
+
+
+def test_a_full_group_is_one_index_block():
+    """MAX_ROWS is the index's block size: a group that starts block-aligned hands each trajectory whole blocks."""
+    from wal.index import BLOCK_TOKENS
+
+    assert stepgroup.MAX_ROWS == BLOCK_TOKENS
