@@ -58,6 +58,7 @@ TINY_SHAPE = {"prompts": 4, "group": 4, "max_new_tokens": 8, "minibatches": 2}
 TINY_MODEL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True)
 TRL_VARIANTS = ("default", "static", "batching", "bf16_weights")
+DECODE_CHUNK = 32  # ours on a GPU: decode steps per device launch (engine.decode_chunk)
 TARGET = "iteration_tokens_s_vs_trl_h200"
 GOAL = 3.0
 
@@ -129,7 +130,10 @@ def loop_sets(shape: dict, cuda: bool, prompt_tokens: list[list[int]]) -> list[s
             f"engine.max_batch={shape['prompts'] * shape['group']}",
             f"engine.max_len={longest + shape['max_new_tokens'] + 8}"]
     if cuda:  # the learner's GPU micro-batch budget (bench/grpo.py's), the engine in bf16 on the GPU, CUDA-graph decode
+        # in chunks of DECODE_CHUNK steps fed back on the device (compiled forward), one WAL commit per chunk
         sets += ["engine.device=cuda", "engine.dtype=bfloat16", "engine.cuda_graphs=true", "learner.device=cuda",
+                 f"engine.decode_chunk={DECODE_CHUNK}", "engine.compile_decode=true",
+                 f"pool.steps_per_call={2 * DECODE_CHUNK}", f"pool.commit_group_steps={DECODE_CHUNK}",
                  "learner.micro_batch_tokens=32768", "learner.logprob_chunk_rows=4096", "learner.threads=4"]
     else:
         sets += ["learner.device=cpu", "learner.threads=2"]
@@ -295,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
            "iterations": args.iterations, "warmup": args.warmup, "statistic": "median over the timed iterations",
            "equal_lengths": "ours: ignore_eos; TRL: min_new_tokens = max_new_tokens",
            "transformers_version": transformers.__version__, "torch_version": torch.__version__, "trl": {}}
+    resolved = json.loads((Path(args.work) / "config.json").read_text())
+    res["ours_engine"] = resolved["engine"]
+    res["ours_pool"] = {k: resolved["pool"][k] for k in ("steps_per_call", "commit_group_steps", "max_commit_lag")}
     try:
         import trl
 

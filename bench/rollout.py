@@ -22,6 +22,7 @@ import torch
 
 from bench._device import run_meta
 
+GPU_DECODE_CHUNK = 32  # the chunked decoder's steps per device launch in the GPU section
 GOALS = {
     "engine_vs_hf_generate_cpu": (">= 1", lambda v: v >= 1),
     "engine_vs_hf_static_compile_h200_b64": (">= 1.5 (tokens/s, our best decode mode over HF generate's best: eager "
@@ -44,15 +45,18 @@ def _prompts(B, P, V, seed=0):
     return torch.randint(3, V, (B, P), generator=g).tolist()  # ids 0..2 are pad/eos/unk in the char vocab
 
 
-def engine_tps(model, tok, prompts, N, device, strict=False, reps=1, static=False, fp=None, stat=min):
+def engine_tps(model, tok, prompts, N, device, strict=False, reps=1, static=False, fp=None, stat=min, **engine_kw):
+    """Our engine's tokens/s over `prompts` (`engine_kw`: e.g. decode_chunk, compile_decode); the warm-up
+    decodes the full batch once (a compiled chunk decoder compiles there)."""
     from rollout.engine import Engine
     from rollout.sampling import SamplingParams
 
     B, P = len(prompts), len(prompts[0])
     params = SamplingParams(temperature=1.0, max_new_tokens=N, ignore_eos=True)
     eng = Engine(model, tok, seed=0, max_batch=B, max_len=P + N + 8, strict=strict, device=device,
-                 static_decode=static, fingerprint=fp)
-    eng.generate([p[:8] for p in prompts[:2]], SamplingParams(max_new_tokens=4, ignore_eos=True), ["w0", "w1"])
+                 static_decode=static, fingerprint=fp, **engine_kw)
+    warm = SamplingParams(max_new_tokens=min(N, 40), ignore_eos=True)
+    eng.generate(prompts if engine_kw else [p[:8] for p in prompts[:2]], warm, [f"w{i}" for i in range(B)])
     times, out = [], None
     for r in range(reps):
         _sync(device)
@@ -309,10 +313,17 @@ def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = Fals
     reps = 3
     _attempt(out, "engine_static_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med)[0], on_progress)
     _attempt(out, "engine_eager_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, fp=fp, stat=med)[0], on_progress)
+    _attempt(out, "engine_chunk_tokens_per_s_median", lambda: engine_tps(
+        model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med, decode_chunk=GPU_DECODE_CHUNK,
+        compile_decode=device == "cuda")[0], on_progress)
+    out["engine_chunk"] = f"decode_chunk={GPU_DECODE_CHUNK}, compile_decode on a CUDA device, CUDA graph"
     _attempt(out, "hf_generate_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, stat=med), on_progress)
     _attempt(out, "hf_static_compile_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, static=True, stat=med), on_progress)
     out["hf_static_compiled"] = getattr(model, "_compiled_call", None) is not None  # whether HF did compile the forward
-    ours = max(out.get("engine_static_tokens_per_s_median", 0), out.get("engine_eager_tokens_per_s_median", 0))
+    modes = ("engine_static_tokens_per_s_median", "engine_eager_tokens_per_s_median", "engine_chunk_tokens_per_s_median")
+    ours = max(out.get(m, 0) for m in modes)
+    if ours:
+        out["engine_best_mode"] = max(modes, key=lambda m: out.get(m, 0)).split("_")[1]
     hf = max(out.get("hf_generate_tokens_per_s_median", 0), out.get("hf_static_compile_tokens_per_s_median", 0))
     out["hf_static_compile"] = "cache_implementation='static', transformers CompileConfig() defaults (torch.compile of the forward)"
     if ours and hf:

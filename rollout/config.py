@@ -20,12 +20,21 @@ class EngineConfig(Config):
                               "captured when the worker starts): on a CUDA device only, a no-op on a CPU; needs "
                               "strict = false; each step attends over all max_len positions, so keep max_len near "
                               "the longest trajectory")
+    decode_chunk: int = Field(1, ge=1, le=1024, description="decode steps per device launch: > 1 feeds each step's "
+                              "draws back on the device (the lean forward over every slot, uniforms and the draw on "
+                              "the device) and reads the chunk's draws at once; rows with top-k / top-p decode one "
+                              "step at a time; needs strict = false and a Llama-family model")
+    compile_decode: bool = Field(False, description="torch.compile the chunked decoder's forward (compiled on the "
+                                 "first chunk: seconds to minutes once per worker)")
 
     @model_validator(mode="after")
     def _graphs_need_fast_path(self):
         if self.cuda_graphs and self.strict:
             raise ValueError("engine.cuda_graphs needs engine.strict = false (the strict path feeds one row per "
                              "forward; the CUDA graph decodes every slot at once)")
+        if self.decode_chunk > 1 and self.strict:
+            raise ValueError("engine.decode_chunk > 1 needs engine.strict = false (the strict path feeds one row per "
+                             "forward and draws on the host)")
         return self
 
 

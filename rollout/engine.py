@@ -93,7 +93,8 @@ def decode_points(sampled: list[bool], start: int, end: int) -> list[int]:
 class Engine:
     def __init__(self, model, tokenizer, *, seed: int = 0, max_batch: int = 16, max_len: int | None = None,
                  strict: bool = False, policy_version: int = 0, device: str | None = None,
-                 static_decode: bool = False, fingerprint: str | None = None):
+                 static_decode: bool = False, fingerprint: str | None = None, decode_chunk: int = 1,
+                 compile_decode: bool = False):
         self.model = model.eval()
         self.tok = tokenizer
         self.seed, self.strict, self.version = seed, strict, policy_version
@@ -115,6 +116,11 @@ class Engine:
         if self.device.type == "cpu" and LeanForward.supports(model) is None:
             self._lean = LeanForward(model)
         self.static = None
+        self.chunk = None
+        if decode_chunk > 1 and not strict and LeanForward.supports(model) is None:  # steps fed back on the device
+            from rollout.chunk_decode import ChunkDecoder
+            self.chunk = ChunkDecoder(self, self._lean or LeanForward(model), decode_chunk, use_graph=static_decode and self.device.type == "cuda",
+                                      compile_forward=compile_decode)
         if static_decode and not strict:  # all slots per step; a CUDA graph on a GPU
             from rollout.static_decode import StaticDecoder
             self.static = StaticDecoder(self, use_graph=self.device.type == "cuda")
@@ -125,8 +131,8 @@ class Engine:
         valid; tensors already on the engine's device, a same-process learner's, copy device to device);
         tokens drawn from now on record `version`."""
         self.model.load_state_dict({k: v.to(self.device) for k, v in state.items()}, strict=True)
-        if self._lean is not None:  # its fused q/k/v and gate/up weights are copies
-            self._lean = LeanForward(self.model)
+        for lean in {id(x): x for x in (self._lean, self.chunk and self.chunk.lean) if x is not None}.values():
+            lean.refresh()  # its fused q/k/v and gate/up weights are copies, refreshed in place
         self.version = version
         self._fingerprint = None
 
@@ -191,6 +197,8 @@ class Engine:
     def remove(self, req_id: str) -> Seq:
         seq = self.seqs.pop(req_id)
         self._free.append(seq.slot)
+        if self.chunk is not None:
+            self.chunk.forget(req_id)
         return seq
 
     def append_env(self, req_id: str, tokens: list[int]) -> None:
@@ -220,9 +228,11 @@ class Engine:
         return self.collect(self.launch())
 
     @torch.inference_mode()
-    def launch(self):
-        """Enqueue one decode step (asynchronous on a GPU); `collect` reads its draws. Between the two the
-        caller may commit the previous step's draws, so the WAL's fsync overlaps the device's work."""
+    def launch(self, steps: int = 1):
+        """Enqueue decode steps (asynchronous on a GPU); `collect_steps` reads their draws. Between the two
+        the caller may commit earlier draws, so the WAL's fsync overlaps the device's work. More than one
+        step only with the chunked decoder (`decode_chunk` > 1) and rows it covers; else one step. A chunk
+        runs no more steps than the largest token budget left among its rows."""
         seqs = sorted(self.running(), key=lambda s: s.slot)
         if not seqs:
             return None
@@ -237,6 +247,9 @@ class Engine:
             self._prefill_fresh([s.slot for s in group], torch.tensor([s.tokens[:-1] for s in group], device=self.device))
             for s in group:
                 s.kv_len = len(s.tokens) - 1
+        if self.chunk is not None and all(self.chunk.covers(s.params) for s in seqs):
+            n = min(steps, self.chunk.max_chunk, max(s.params.max_new_tokens - s.n_sampled for s in seqs))
+            return "chunk", seqs, [len(s.tokens) for s in seqs], self.chunk.launch(seqs, max(1, n))
         if self.static is not None:
             rows, logits_BV = seqs, self.static.forward(seqs)
         else:
@@ -248,14 +261,37 @@ class Engine:
             logits_BV = torch.cat(logits) if len(logits) > 1 else logits[0]
         u = [uniform(self.seed, s.key, len(s.tokens)) for s in rows]
         tok_B, lp_B = sample(logits_BV, [s.params for s in rows], u)
-        return rows, [len(s.tokens) for s in rows], tok_B, lp_B
+        return "step", rows, [len(s.tokens) for s in rows], (tok_B, lp_B)
 
-    def collect(self, pending) -> list[Draw]:
+    def collect_steps(self, pending) -> list[list[Draw]]:
+        """The draws of each launched step, in step order (one device sync)."""
         if pending is None:
             return []
-        rows, positions, tok_B, lp_B = pending
-        toks, lps = tok_B.tolist(), lp_B.tolist()
-        return [Draw(s.req_id, p, int(t), float(lp)) for s, p, t, lp in zip(rows, positions, toks, lps)]
+        kind, rows, positions, out = pending
+        if kind == "chunk":
+            toks, lps = self.chunk.read(out)
+            return [[Draw(s.req_id, p + i, t[s.slot], lp[s.slot]) for s, p in zip(rows, positions)]
+                    for i, (t, lp) in enumerate(zip(toks, lps))]
+        toks, lps = out[0].tolist(), out[1].tolist()
+        return [[Draw(s.req_id, p, int(t), float(lp)) for s, p, t, lp in zip(rows, positions, toks, lps)]]
+
+    def collect(self, pending) -> list[Draw]:
+        """The draws of a one-step launch."""
+        steps = self.collect_steps(pending)
+        if len(steps) > 1:
+            raise ValueError(f"collect of a {len(steps)}-step launch: use collect_steps")
+        return steps[0] if steps else []
+
+    def accept_steps(self, steps: list[list[Draw]]) -> list[tuple[list[Draw], list[Seq]]]:
+        """Accept a chunk's draws step by step; a request's draws after it stopped are dropped (drawn past
+        its end on the device). Per step: (the draws kept, the requests that stopped)."""
+        out = []
+        for draws in steps:
+            draws = [d for d in draws if (s := self.seqs.get(d.req_id)) is not None and s.state == "run"]
+            if not draws:
+                break
+            out.append((draws, self.accept(draws)))
+        return out
 
     def accept(self, draws: list[Draw]) -> list[Seq]:
         """Append committed draws; returns the requests that stopped (paused at a stop string, or done)."""
@@ -264,6 +300,8 @@ class Engine:
             seq = self.seqs[d.req_id]
             if d.position != len(seq.tokens):
                 raise ValueError(f"draw for {d.req_id!r} at {d.position}, sequence has {len(seq.tokens)} tokens")
+            if seq.kv_len < d.position:  # a chunk step: the device fed the token before this draw
+                seq.kv_len = d.position
             seq.tokens.append(d.token)
             seq.sampled.append(True)
             seq.n_sampled += 1
@@ -366,9 +404,11 @@ class Engine:
             while queue and self.capacity:
                 rid, p = queue.pop(0)
                 self.add(rid, p, [False] * len(p), params)
-            for s in self.accept(self.step()):
-                if s.state == "paused":
-                    s.state, s.reason = "done", s.reason
+            chunk = self.chunk.max_chunk if self.chunk is not None else 1
+            for _, stopped in self.accept_steps(self.collect_steps(self.launch(chunk))):
+                for s in stopped:
+                    if s.state == "paused":
+                        s.state, s.reason = "done", s.reason
             for s in [s for s in self.seqs.values() if s.state != "run"]:
                 done.append(self.remove(s.req_id))
         order = {rid: i for i, rid in enumerate(ids)}

@@ -68,6 +68,20 @@ class LeanForward:
                                     layer.post_attention_layernorm.weight, w_gu, m.down_proj.weight))
         self.q_dim, self.kv_dim = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.inter = inner.layers[0].mlp.gate_proj.weight.shape[0] if len(inner.layers) else 0
+        self._model = model
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Re-copy the fused q/k/v and gate/up weights from the model's parameters in place (after the model
+        loaded new weights): tensors a captured CUDA graph reads keep their storage."""
+        for layer, (_, w_qkv, b_qkv, _, _, _, w_gu, _) in zip(self._model.model.layers, self.layers):
+            a, m = layer.self_attn, layer.mlp
+            torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], out=w_qkv)
+            if b_qkv is not None:
+                torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for b, w in
+                           zip((a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
+                               (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))], out=b_qkv)
+            torch.cat([m.gate_proj.weight, m.up_proj.weight], out=w_gu)
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         h = x.to(torch.float32)
@@ -102,3 +116,31 @@ class LeanForward:
             gu = F.linear(self._rms(x, ln2), w_gu)
             x = x + F.linear(F.silu(gu[..., :self.inter]) * gu[..., self.inter:], wd)
         return F.linear(self._rms(x[:, -1:], self.norm), self.lm_head)
+
+    def decode_all(self, ids_S: torch.Tensor, pos_S: torch.Tensor, k_cache: list[torch.Tensor],
+                   v_cache: list[torch.Tensor]) -> torch.Tensor:
+        """One decode token for every slot of a static cache (k_cache[i], v_cache[i]: [S, kv_heads, L, head_dim]):
+        slot s feeds ids_S[s] at position pos_S[s], writes its K/V there and attends to positions <= pos_S[s].
+        Logits [S, V]. Static shapes throughout (no host value read), so it can be compiled and captured.
+        Each group of query heads attends to its K/V head as a group of queries (no K/V repeat)."""
+        S, L = ids_S.shape[0], k_cache[0].shape[2] if k_cache else 0
+        G, D = self.n_heads // self.n_kv, self.head_dim
+        x = F.embedding(ids_S, self.embed)  # [S, H]
+        freqs = pos_S[:, None].to(torch.float32) * self.inv_freq[None, :].to(torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]  # [S, 1, D]
+        rows = torch.arange(S, device=ids_S.device)
+        mask = (torch.arange(L, device=ids_S.device)[None, :] <= pos_S[:, None])[:, None, None, :]  # [S, 1, 1, L]
+        qd, kd = self.q_dim, self.kv_dim
+        for i, (ln1, w_qkv, b_qkv, wo, bo, ln2, w_gu, wd) in enumerate(self.layers):
+            qkv = F.linear(self._rms(x, ln1), w_qkv, b_qkv)
+            q = self._rotate(qkv[:, :qd].view(S, self.n_heads, D), cos, sin)
+            k = self._rotate(qkv[:, qd:qd + kd].view(S, self.n_kv, D), cos, sin)
+            k_cache[i][rows, :, pos_S] = k
+            v_cache[i][rows, :, pos_S] = qkv[:, qd + kd:].view(S, self.n_kv, D)
+            o = F.scaled_dot_product_attention(q.view(S, self.n_kv, G, D), k_cache[i], v_cache[i], attn_mask=mask,
+                                               scale=D ** -0.5)
+            x = x + F.linear(o.reshape(S, -1), wo, bo)
+            gu = F.linear(self._rms(x, ln2), w_gu)
+            x = x + F.linear(F.silu(gu[:, :self.inter]) * gu[:, self.inter:], wd)
+        return F.linear(self._rms(x, self.norm), self.lm_head)

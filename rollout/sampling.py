@@ -55,6 +55,57 @@ def uniform(seed: int, traj: int, position: int) -> float:
     return (h >> 11) * (1.0 / (1 << 53))
 
 
+def row_hash(seed: int, traj: int) -> int:
+    """The position-independent part of `uniform(seed, traj, ·)`, as a signed 64-bit integer (its bits)."""
+    h = splitmix64(splitmix64(seed & _MASK64) ^ (traj & _MASK64))
+    return h - (1 << 64) if h >> 63 else h
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> sign-extends)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _signed(c: int) -> int:
+    return c - (1 << 64) if c >> 63 else c
+
+
+_C1, _C2, _C3 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def uniform_t(row_hash_B: torch.Tensor, position_B: torch.Tensor) -> torch.Tensor:
+    """`uniform(seed, traj, position)` of each row as a float64 tensor, on the tensors' device: row_hash_B
+    is `row_hash(seed, traj)` (int64), position_B int64. The splitmix64 arithmetic in int64 (bits wrap as
+    uint64's do), so a decode step can draw its uniforms without leaving the device."""
+    x = row_hash_B ^ position_B
+    x = x + _C1
+    x = (x ^ _srl(x, 30)) * _C2
+    x = (x ^ _srl(x, 27)) * _C3
+    x = x ^ _srl(x, 31)
+    return _srl(x, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def sample_dense(logits_BV: torch.Tensor, temperature_B: torch.Tensor, u_B: torch.Tensor,
+                 any_greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample` for rows without top-k / top-p filtering, every input a tensor on the logits' device
+    (float64 temperatures, 0 = greedy; float64 uniforms): no host values, so a captured decode step can
+    run it. `any_greedy` False skips the greedy branch (then no row may have temperature 0)."""
+    V = logits_BV.shape[1]
+    x = logits_BV.to(torch.float64)
+    greedy = temperature_B == 0
+    z = x / torch.where(greedy, torch.ones_like(temperature_B), temperature_B)[:, None]
+    probs = torch.softmax(z, dim=-1)
+    cdf = torch.cumsum(probs, dim=-1)
+    pick = torch.searchsorted(cdf, u_B[:, None] * cdf[:, -1:], right=True).clamp_(max=V - 1)
+    token = pick[:, 0]
+    lp = torch.log(probs.gather(1, pick)[:, 0] / cdf[:, -1])
+    if not any_greedy:
+        return token, lp
+    token = torch.where(greedy, torch.argmax(x, dim=-1), token)  # argmax: first maximum
+    logprob_greedy = torch.log_softmax(x, dim=-1).gather(1, token[:, None])[:, 0]
+    return token, torch.where(greedy, logprob_greedy, lp)
+
+
 def sample(logits_BV: torch.Tensor, params: list[SamplingParams], u_B: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [B] and their behaviour log-probs [B] (log-prob under the distribution actually sampled:
     temperature-scaled, top-k / top-p filtered and renormalised; greedy rows report the plain softmax).
@@ -65,30 +116,23 @@ def sample(logits_BV: torch.Tensor, params: list[SamplingParams], u_B: list[floa
     B, V = logits_BV.shape
     if len(params) != B or len(u_B) != B:
         raise ValueError(f"sample: {B} rows but {len(params)} params and {len(u_B)} uniforms")
-    x = logits_BV.to(torch.float64)
-    dev = x.device
+    dev = logits_BV.device
     temp = torch.tensor([p.temperature for p in params], dtype=torch.float64, device=dev)
+    filtered = [not (p.top_k <= 0 or p.top_k >= V) or p.top_p < 1.0 for p in params]
+    if not any(filtered):  # the common RL case: one softmax + cumsum, no sort
+        return sample_dense(logits_BV, temp, torch.tensor(u_B, dtype=torch.float64, device=dev),
+                            any(p.temperature == 0 for p in params))
+    x = logits_BV.to(torch.float64)
     greedy = temp == 0
     z = x / torch.where(greedy, torch.ones_like(temp), temp)[:, None]
-    u = torch.tensor(u_B, dtype=torch.float64, device=dev)[:, None]
+    u = torch.tensor(u_B, dtype=torch.float64, device=dev)
     # A row's path depends on its own params only: filtered rows draw over the stably sorted order,
-    # unfiltered rows over the vocabulary order (no sort: the common RL case costs one softmax + cumsum).
-    filtered = [not (p.top_k <= 0 or p.top_k >= V) or p.top_p < 1.0 for p in params]
-    if any(filtered):
-        tok_s, lp_s = _draw_sorted(z, params, u)
+    # unfiltered rows over the vocabulary order (as `sample_dense` draws them).
+    token, lp = _draw_sorted(z, params, u[:, None])
     if not all(filtered):
-        probs = torch.softmax(z, dim=-1)
-        cdf = torch.cumsum(probs, dim=-1)
-        pick = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=V - 1)
-        tok_u = pick[:, 0]
-        lp_u = torch.log(probs.gather(1, pick)[:, 0] / cdf[:, -1])
-    if all(filtered):
-        token, lp = tok_s, lp_s
-    elif not any(filtered):
-        token, lp = tok_u, lp_u
-    else:
+        tok_u, lp_u = sample_dense(logits_BV, temp, u, False)
         f = torch.tensor(filtered, device=dev)
-        token, lp = torch.where(f, tok_s, tok_u), torch.where(f, lp_s, lp_u)
+        token, lp = torch.where(f, token, tok_u), torch.where(f, lp, lp_u)
     if not any(p.temperature == 0 for p in params):
         return token, lp
     token = torch.where(greedy, torch.argmax(x, dim=-1), token)  # argmax: first maximum

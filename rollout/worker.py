@@ -100,7 +100,8 @@ class RolloutWorker:
         e = spec.engine
         self.engine = Engine(model, tok, seed=spec.seed, max_batch=e.max_batch, max_len=e.max_len or None,
                              strict=e.strict, policy_version=policy_version, device=e.device,
-                             static_decode=e.cuda_graphs and torch.device(e.device).type == "cuda")
+                             static_decode=e.cuda_graphs and torch.device(e.device).type == "cuda",
+                             decode_chunk=e.decode_chunk, compile_decode=e.compile_decode)
         self.wal = _open_wal(spec)
         self.committer = AsyncCommitter(self.wal, spec.max_commit_lag, spec.commit_group_steps)
         self.store = SnapshotStore(spec.snapshot_uri)
@@ -123,11 +124,8 @@ class RolloutWorker:
 
     def finalize(self, traj_ids: list[str]) -> None:
         """The pool holds these finished trajectories: mark them finalized in the WAL, drop their snapshots."""
+        self.wal.finalize_many(traj_ids)  # an in-process log: one commit for all of them
         for t in traj_ids:
-            try:
-                self.wal.finalize(t)
-            except wal_mod.FinalizedError:
-                pass
             self.store.delete(t)
             self.reqs.pop(t, None)
             self.prompt_len.pop(t, None)
@@ -139,23 +137,25 @@ class RolloutWorker:
     def run(self, max_steps: int) -> WorkerReport:
         """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""
         self._check_live()
-        eng = self.engine
+        eng, chunk = self.engine, self.spec.engine.decode_chunk
         self._admit()
-        pending = eng.launch() if max_steps > 0 else None
-        for step in range(max_steps):
-            draws = eng.collect(pending)
-            if not draws:
+        pending = eng.launch(min(chunk, max_steps)) if max_steps > 0 else None
+        step = 0
+        while step < max_steps:
+            steps = eng.accept_steps(eng.collect_steps(pending))  # engine-internal only: not yet exposed
+            if not steps:
                 break
-            stopped = eng.accept(draws)  # engine-internal only: nothing outside the engine sees them yet
-            # the next step runs on the device while this one is made durable (it feeds only requests
+            step += len(steps)
+            # the next steps run on the device while these are made durable (they feed only requests
             # still running, so a tool call or a finish waits for the commit of its step)
-            pending = eng.launch() if step + 1 < max_steps else None
-            self.committer.submit(draws, eng.version, (draws, stopped), flush=bool(stopped))
+            pending = eng.launch(min(chunk, max_steps - step)) if step < max_steps else None
+            for draws, stopped in steps:
+                self.committer.submit(draws, eng.version, (draws, stopped), flush=bool(stopped))
             self._expose(self.committer.ready())
-            if pending is None and step + 1 < max_steps:  # nothing running: settle the stops, admit, go on
+            if pending is None and step < max_steps:  # nothing running: settle the stops, admit, go on
                 self._expose(self.committer.ready(wait_all=True))
                 self._admit()
-                pending = eng.launch()
+                pending = eng.launch(min(chunk, max_steps - step))
         self._expose(self.committer.ready(wait_all=True))
         self._admit()
         report = WorkerReport(self._stream, self._finished, dict(self.counters),
@@ -217,16 +217,23 @@ class RolloutWorker:
             raise RuntimeError(f"worker {self.spec.name} was preempted or closed; start a replacement")
 
     def _emit(self, traj: str, start: int, tokens: list[int]) -> None:
-        s, toks = self._stream.get(traj, (start, []))
-        if s + len(toks) != start:  # not contiguous with what this report holds: keep the later span only
-            s, toks = start, []
-        self._stream[traj] = (s, toks + tokens)
+        span = self._stream.get(traj)
+        if span is None or span[0] + len(span[1]) != start:  # not contiguous: keep the later span only
+            self._stream[traj] = (start, list(tokens))
+        else:
+            span[1].extend(tokens)
 
     def _admit(self) -> None:
+        """Start queued requests while slots are free; the new prompts go into the WAL with one commit for
+        all of them (before any of their draws can be committed: those commits come later)."""
+        appended = False
         while self.queue and self.engine.capacity:
-            self._start(self.queue.popleft())
+            appended |= self._start(self.queue.popleft())
+        if appended:
+            self.wal.commit()
 
-    def _start(self, req: Request) -> None:
+    def _start(self, req: Request) -> bool:
+        """Admit one request; True when its prompt was appended to the WAL (the caller commits)."""
         eng, traj = self.engine, req.traj_id
         prompt = eng.tok.encode(req.prompt)
         try:
@@ -234,10 +241,10 @@ class RolloutWorker:
         except wal_mod.FinalizedError:  # finished and acknowledged earlier: its record lives in the data plane
             self.reqs.pop(traj, None)
             self._already_final.append(traj)
-            return
-        if not committed:
+            return False
+        appended = not committed
+        if appended:
             self.wal.append(traj, 0, prompt, [ENV_LOGPROB] * len(prompt), eng.version)
-            self.wal.commit()
             committed, sampled = prompt, [False] * len(prompt)
         else:
             if committed[:len(prompt)] != prompt:
@@ -269,6 +276,7 @@ class RolloutWorker:
                 self.counters["prefill_tokens_on_resume"] += prefilled
         if eng.seqs[traj].state != "run":
             self._on_stop(traj)
+        return appended
 
     def _on_stop(self, traj: str) -> None:
         seq = self.engine.seqs[traj]

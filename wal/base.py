@@ -51,6 +51,16 @@ class TokenLog(ABC):
     def finalize(self, traj_id: str) -> None:
         """Durably mark the trajectory as safely in the data plane; its records may then be reclaimed."""
 
+    def finalize_many(self, traj_ids: Sequence[str]) -> None:
+        """`finalize` each id (one already finalized is skipped); a log may make them durable with one commit."""
+        from wal.errors import FinalizedError
+
+        for traj_id in traj_ids:
+            try:
+                self.finalize(traj_id)
+            except FinalizedError:
+                pass
+
     @abstractmethod
     def stats(self) -> dict:
         """Counters of the log (segments, bytes, lsns, fsyncs, …)."""

@@ -243,13 +243,19 @@ class Store:
                 b"".join(tok[i * 4:i * 4 + 4] for i in keep), b"".join(lp[i * 8:i * 8 + 8] for i in keep))
 
     def finalize(self, traj_id: str) -> int:
-        codec._id_bytes(traj_id, "traj_id")
+        return self.finalize_many([traj_id])
+
+    def finalize_many(self, traj_ids) -> int:
+        """Finalize records of every id not finalized yet, then one commit."""
+        for traj_id in traj_ids:
+            codec._id_bytes(traj_id, "traj_id")
         with self.mutex:
             self.log.check_open()
-            if traj_id not in self.tokens.finalized and traj_id not in self.tokens.forgotten:
-                self.log.append_locked(lambda lsn, mark: codec.encode_finalize(lsn, traj_id, mark))
-                self.tokens.finalize(traj_id)
-                self._maybe_dead = True
+            for traj_id in traj_ids:
+                if traj_id not in self.tokens.finalized and traj_id not in self.tokens.forgotten:
+                    self.log.append_locked(lambda lsn, mark, t=traj_id: codec.encode_finalize(lsn, t, mark))
+                    self.tokens.finalize(traj_id)
+                    self._maybe_dead = True
         return self.log.commit()
 
     def env_invoke(self, sandbox_id: str, seq: int, request: bytes) -> int:

@@ -78,6 +78,9 @@ class TokenWAL(TokenLog):
     def finalize(self, traj_id: str) -> None:
         self._store.finalize(traj_id)
 
+    def finalize_many(self, traj_ids: Sequence[str]) -> None:
+        self._store.finalize_many(traj_ids)  # one commit for all
+
     def reclaim(self) -> int:
         """Run retention now (it also runs in the background after each segment roll)."""
         return self._store.reclaim()

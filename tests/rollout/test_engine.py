@@ -154,3 +154,61 @@ def test_load_weights_copies_in_place_and_fingerprints_what_it_holds(tiny_policy
     fresh = Engine(want, tok, seed=5, max_batch=2, max_len=96, static_decode=True)
     prompts, ids = _prompts(tok, 3), [f"w{i}" for i in range(3)]
     assert [s.tokens for s in eng.generate(prompts, P, ids)] == [s.tokens for s in fresh.generate(prompts, P, ids)]
+
+
+@pytest.mark.parametrize("params", [P, SamplingParams(temperature=1.0, max_new_tokens=30),
+                                    SamplingParams(temperature=0.0, max_new_tokens=20)], ids=["fixed", "eos", "greedy"])
+def test_chunked_decode_draws_what_one_step_decode_draws(tiny_policy, params):
+    """Steps fed back on the device (chunks of 1..64 steps) draw the one-step path's tokens and log-probs;
+    requests stop inside a chunk (EOS) and join late (more requests than slots)."""
+    model, tok = tiny_policy
+    prompts, ids = _prompts(tok, 7), [f"c{i}" for i in range(7)]
+    want = Engine(model, tok, seed=4, max_batch=3, max_len=60).generate(prompts, params, ids)
+    for chunk in (2, 5, 64):
+        eng = Engine(model, tok, seed=4, max_batch=3, max_len=60, decode_chunk=chunk)
+        assert eng.chunk is not None
+        got = eng.generate(prompts, params, ids)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+        assert [s.reason for s in got] == [s.reason for s in want]
+    if not params.ignore_eos and params.temperature > 0:  # the EOS case does stop inside chunks
+        assert any(s.reason == "eos" for s in want)
+
+
+def test_a_chunk_stops_at_a_stop_string_and_keeps_kv_of_kept_tokens_only(tiny_policy):
+    """A request paused by a stop string inside a chunk keeps only the draws up to it; the K/V it holds
+    then cover exactly its kept tokens but the pending one (what the one-step path holds)."""
+    model, tok = tiny_policy
+    prompts = _prompts(tok, 2)
+    probe = Engine(model, tok, seed=6, max_batch=2, max_len=80).generate(prompts[:1], P, ["k0"])[0]
+    stop = tok.decode(probe.tokens[len(prompts[0]) + 5:len(prompts[0]) + 7])  # hit after the 7th sampled token
+    params = SamplingParams(temperature=1.0, max_new_tokens=24, ignore_eos=True, stop=(stop,))
+    held = []
+    for chunk in (1, 16):
+        eng = Engine(model, tok, seed=6, max_batch=2, max_len=80, decode_chunk=chunk)
+        eng.add("k0", prompts[0], [False] * len(prompts[0]), params)
+        while eng.seqs["k0"].state == "run":
+            eng.accept_steps(eng.collect_steps(eng.launch(chunk)))
+        seq = eng.seqs["k0"]
+        kv, covered = eng.export_kv("k0")
+        held.append((list(seq.tokens), seq.reason, covered, kv))
+    (t1, r1, c1, kv1), (t16, r16, c16, kv16) = held
+    assert r1 == r16 == f"stop:{stop}" and t1 == t16 and c1 == c16 == len(t1) - 1
+    assert all(torch.allclose(kv1[k], kv16[k], atol=1e-5) for k in kv1)
+
+
+def test_chunked_decode_decodes_new_weights(tiny_policy):
+    """load_weights refreshes the lean forward's fused copies in place: a chunked engine decodes the new
+    weights as a fresh engine holding them does."""
+    import copy
+
+    model, tok = tiny_policy
+    mine, want = copy.deepcopy(model), copy.deepcopy(model)
+    eng = Engine(mine, tok, seed=5, max_batch=2, max_len=64, decode_chunk=8)
+    torch.manual_seed(1)
+    live = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    live["lm_head.weight"] = live["model.embed_tokens.weight"]
+    eng.load_weights(live, 1)
+    want.load_state_dict(live)
+    prompts, ids = _prompts(tok, 3), [f"n{i}" for i in range(3)]
+    fresh = Engine(want, tok, seed=5, max_batch=2, max_len=64)
+    assert [s.tokens for s in eng.generate(prompts, P, ids)] == [s.tokens for s in fresh.generate(prompts, P, ids)]

@@ -55,3 +55,35 @@ def test_mixed_filtered_and_plain_rows_are_independent():
         assert t1.item() == tok[i].item() and l1.item() == lp[i].item()
     top5 = torch.topk(logits, 5, dim=-1).indices
     assert all(tok[i].item() in top5[i].tolist() for i in range(1, 8, 2))
+
+
+def test_device_uniforms_equal_the_host_function():
+    """`uniform_t` (int64 splitmix64 on tensors) draws exactly `uniform`'s floats, keys with the top bit
+    set and large positions included."""
+    import random
+
+    from rollout.sampling import row_hash, traj_key, uniform_t
+
+    rng = random.Random(0)
+    seeds = [0, 1, 7, (1 << 63) + 5, rng.getrandbits(64)]
+    keys = [traj_key(f"t{i}") for i in range(40)] + [0, (1 << 64) - 1, 1 << 63]
+    for seed in seeds:
+        pos = [rng.randrange(0, 1 << 20) for _ in keys]
+        got = uniform_t(torch.tensor([row_hash(seed, k) for k in keys]), torch.tensor(pos)).tolist()
+        assert got == [uniform(seed, k, p) for k, p in zip(keys, pos)]
+
+
+def test_dense_draw_equals_sample_on_unfiltered_rows():
+    """The on-device draw (tensor params) is `sample`'s draw, greedy rows mixed in."""
+    from rollout.sampling import sample_dense
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(12, 61, generator=g)
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.3][i % 3]) for i in range(12)]
+    u = [uniform(9, i, 4) for i in range(12)]
+    want_tok, want_lp = sample(logits, params, u)
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float64)
+    tok, lp = sample_dense(logits, temp, torch.tensor(u, dtype=torch.float64), True)
+    assert torch.equal(tok, want_tok) and torch.equal(lp, want_lp)
+    tok2, lp2 = sample_dense(logits[1:3], temp[1:3], torch.tensor(u[1:3], dtype=torch.float64), False)
+    assert torch.equal(tok2, want_tok[1:3]) and torch.equal(lp2, want_lp[1:3])

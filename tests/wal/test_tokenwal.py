@@ -399,3 +399,23 @@ def test_index_blocks_cross_boundaries_for_bulk_and_step_appends(tmp_path):
     w = wal.open(tmp_path)  # replayed from the log into the same blocks
     assert w.tokens("bulk") == ids.tolist() and w.tokens("step") == got
     w.close()
+
+
+def test_finalize_many_is_one_commit_and_survives_a_reopen(tmp_path):
+    """finalize_many marks every id (an unknown or already finalized one is skipped) with one fsync, and
+    a reopened log holds them finalized."""
+    w = wal.open(tmp_path)
+    for i in range(6):
+        w.append(f"t{i}", 0, [1, 2, 3], [-0.5] * 3, 0)
+    w.commit()
+    w.finalize("t0")
+    before = w.stats()["fsyncs"]
+    w.finalize_many([f"t{i}" for i in range(5)] + ["never-seen"])
+    assert w.stats()["fsyncs"] == before + 1
+    assert w.trajectories() == ["t5"]
+    w.close()
+    w = wal.open(tmp_path)
+    assert w.trajectories() == ["t5"]
+    with pytest.raises(wal.FinalizedError):
+        w.append("t3", 3, [4], [-0.5], 0)
+    w.close()
