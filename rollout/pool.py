@@ -4,7 +4,7 @@ Each worker slot k owns an in-process WAL directory (RUN/wal/k) and a share of t
 i goes to slot i mod W, at most `max_batch` of them in the worker at once). When a worker dies
 (`ray.kill`, SIGKILL of its process, a failed call), the pool starts a replacement on the same slot
 (a warm spare when one is ready) and resubmits the slot's unfinished requests: the replacement
-resumes them from the WAL. A preemption notice (`preempt`) costs less: the worker snapshots the KV of
+resumes them from the WAL. The other workers keep running while a replacement starts. A preemption notice (`preempt`) costs less: the worker snapshots the KV of
 its requests and resumes them itself from the snapshots. Finished trajectories go to the
 sink (the data plane) first, and are acknowledged to the worker afterwards, which only then
 finalizes them in its WAL.
@@ -13,7 +13,7 @@ The pool also audits the stream it received: every committed token it was shown 
 position in the final trajectory (`tokens_lost`), and no position may be reported twice
 (`tokens_resampled`).
 
-The hooks at the end (`preempt`, `kill`, `worker_pid`, `worker_node`, `warm_spares`, `incarnation`, `in_flight`, `seen`,
+The hooks at the end (`preempt`, `kill`, `worker_pid`, `worker_node`, `warm_spares`, `starting`, `incarnation`, `in_flight`, `seen`,
 `snapshot_path`) are what an operator or a fault-injection drill (`chaos/`) uses from outside; the pool
 holds no fault code.
 """
@@ -42,6 +42,9 @@ class _Slot:
     running_since: dict = field(default_factory=dict)  # incarnation -> monotonic time its first call came back
     incarnation: int = 0
     ref: object = None  # the outstanding run() call
+    boot: object = None  # the outstanding start of a new incarnation (the slot runs nothing meanwhile)
+    boot_spare: bool = False  # that start is a warm spare's
+    boot_since: float = 0.0  # monotonic time that start was asked for
     backlog: deque = field(default_factory=deque)  # requests not yet handed to the current incarnation
     inside: set = field(default_factory=set)  # handed to the current incarnation, not finished
     acks: list = field(default_factory=list)  # finished + stored, to finalize on the next call
@@ -110,39 +113,69 @@ class RolloutPool:
                                     scheduling_strategy=c.worker_strategy).remote(*args)
 
     def _start(self, *slots: _Slot) -> None:
-        refs = []
+        """Start every slot's worker and wait until all are up (the pool's first workers)."""
         for slot in slots:
-            if self._spares:
-                slot.actor, _ = self._spares.popleft()
-                refs.append(slot.actor.start.remote(slot.spec, self.weights_ref, self.version))
-            else:
-                slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
-                refs.append(slot.actor.pid.remote())
-        for slot, ref in zip(slots, refs):
-            try:
-                while True:
-                    try:
-                        slot.pid = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
-                        slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
-                        break
-                    except self.ray.exceptions.RayActorError:
-                        if self._spares:  # a spare that died while waiting (its node went): the next spare
-                            slot.actor, _ = self._spares.popleft()
-                            ref = slot.actor.start.remote(slot.spec, self.weights_ref, self.version)
-                        else:  # no spare left: one fresh actor (its death reaches the caller)
-                            slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
-                            slot.pid = self.ray.get(slot.actor.pid.remote(), timeout=self.cfg.call_timeout_s)
-                            slot.node = self.ray.get(slot.actor.node.remote(), timeout=self.cfg.call_timeout_s)
-                            break
-            except self.ray.exceptions.GetTimeoutError:
-                raise RuntimeError(f"rollout pool: worker {slot.index} did not start in {self.cfg.call_timeout_s}s "
-                                   f"(are {self.cfg.worker_cpus:g} CPU / {self.cfg.worker_gpus:g} GPU free on a node?)") from None
-            slot.nodes.append(slot.node)
-            slot.incarnation += 1
-            slot.ref = None
-        while len(self._spares) < self.spares:  # warming in the background; nobody waits for it
+            self._boot(slot)
+        self._await_boot(*slots)
+        self._refill()
+
+    def _boot(self, slot: _Slot) -> None:
+        """Give `slot` its next actor without waiting: a warm spare takes the slot's spec, else a fresh actor
+        starts with it. The pool keeps running its other workers meanwhile; `_booted` finishes the start."""
+        if self._spares:
+            slot.actor, _ = self._spares.popleft()
+            slot.boot = slot.actor.start.remote(slot.spec, self.weights_ref, self.version)
+            slot.boot_spare = True
+        else:
+            slot.actor = self._actor(slot.spec, self.weights_ref, self.version)
+            slot.boot = slot.actor.ident.remote()
+            slot.boot_spare = False
+        slot.boot_since = time.monotonic()  # pid and node stay the last incarnation's until `_booted`
+
+    def _recovering(self) -> bool:
+        """A slot's worker is starting, or its new incarnation has not yet answered its first call."""
+        return any(s.boot is not None or s.incarnation not in s.running_since for s in self.slots)
+
+    def _refill(self) -> None:
+        """Start spares up to `spares`, warming in the background (nobody waits for them). Called once no
+        replacement is under way: a spare's start (a process importing torch) would otherwise take the CPU a
+        replacement needs to load the policy and run its first call, and recovery would wait on both."""
+        while len(self._spares) < self.spares:
             spare = self._actor()
             self._spares.append((spare, spare.pid.remote()))
+
+    def _booted(self, slot: _Slot) -> None:
+        """The start of `slot`'s actor answered: the incarnation is up, or the actor died starting (next one)."""
+        ref, slot.boot = slot.boot, None
+        try:
+            slot.pid, slot.node = self.ray.get(ref, timeout=self.cfg.call_timeout_s)
+        except self.ray.exceptions.RayActorError as exc:
+            if slot.boot_spare:  # a spare that died while waiting (its node went): the next spare, or a fresh actor
+                self._boot(slot)
+            else:  # a fresh actor died starting: a replacement, within the pool's bound
+                self._replace(slot, type(exc).__name__)
+            return
+        except self.ray.exceptions.GetTimeoutError:
+            raise self._start_timeout(slot) from None
+        slot.nodes.append(slot.node)
+        slot.incarnation += 1
+        slot.ref = None
+
+    def _await_boot(self, *slots: _Slot) -> None:
+        """Wait until none of `slots` is starting."""
+        while True:
+            booting = {s.boot: s for s in slots if s.boot is not None}
+            if not booting:
+                return
+            ready, _ = self.ray.wait(list(booting), num_returns=1, timeout=self.cfg.call_timeout_s)
+            if not ready:
+                raise self._start_timeout(next(iter(booting.values())))
+            self._booted(booting[ready[0]])
+
+    def _start_timeout(self, slot: _Slot) -> RuntimeError:
+        c = self.cfg
+        return RuntimeError(f"rollout pool: worker {slot.index} did not start in {c.call_timeout_s}s "
+                            f"(are {c.worker_cpus:g} CPU / {c.worker_gpus:g} GPU free on a node?)")
 
     def _replace(self, slot: _Slot, why: str) -> None:
         if self.replacements >= self.cfg.max_replacements:
@@ -158,13 +191,14 @@ class RolloutPool:
         slot.inside.clear()
         slot.acks = slot.unconfirmed + slot.acks  # the finalize may not have happened: send it again
         slot.unconfirmed = []
-        self._start(slot)
+        slot.ref = None
+        self._boot(slot)
 
     def update_weights(self, state: dict, version: int) -> None:
         """New policy weights on every worker (and on every replacement started later)."""
         self.weights_ref, self.version = self.ray.put(state), version
         for s in self.slots:
-            self._settle(s)
+            self._settle_all(s)
             self.ray.get(s.actor.update_weights.remote(self.weights_ref, version), timeout=self.cfg.call_timeout_s)
 
     def close(self) -> None:
@@ -193,20 +227,27 @@ class RolloutPool:
         self._resampled = 0
         while len(self._done) < len(self._want):
             for s in self.slots:
-                if s.ref is None:
+                if s.ref is None and s.boot is None:
                     self._call(s)
             if observer is not None:
                 observer(self)
-            refs = [s.ref for s in self.slots if s.ref is not None]
+            # a slot whose worker is starting waits for it alone: the others keep decoding meanwhile
+            refs = [s.ref for s in self.slots if s.ref is not None] + [s.boot for s in self.slots if s.boot is not None]
             if not refs:  # the observer collected every call (a preemption): start the next ones
                 continue
             ready, _ = self.ray.wait(refs, num_returns=1, timeout=self.cfg.call_timeout_s)
             if not ready:
+                booting = [s for s in self.slots if s.boot is not None]
+                if booting and time.monotonic() - min(s.boot_since for s in booting) > self.cfg.call_timeout_s:
+                    raise self._start_timeout(min(booting, key=lambda s: s.boot_since))
                 raise RuntimeError(f"rollout pool: no worker answered in {self.cfg.call_timeout_s}s")
             for s in self.slots:
-                if s.ref is not None and s.ref in ready:
+                if s.boot is not None and s.boot in ready:
+                    self._booted(s)
+                elif s.ref is not None and s.ref in ready:
                     self._settle(s)
         self._flush_acks()
+        self._refill()  # every worker is up and idle: spares taken by replacements warm between runs
         counters = self.counters()
         lost = 0
         for traj, seen in self._stream.items():
@@ -226,12 +267,12 @@ class RolloutPool:
         """Let every worker finalize what the sink took since its last call (bounded retries through replacement)."""
         for s in self.slots:
             for _ in range(3):
-                self._settle(s)
+                self._settle_all(s)
                 if not s.acks:
                     break
                 s.unconfirmed, s.acks = s.acks, []
                 s.ref = s.actor.run.remote([], s.unconfirmed, 0)
-            self._settle(s)
+            self._settle_all(s)
 
     def _call(self, s: _Slot) -> None:
         room = self.slots[0].spec.engine.max_batch - len(s.inside)
@@ -240,8 +281,13 @@ class RolloutPool:
         s.unconfirmed, s.acks = s.acks, []
         s.ref = s.actor.run.remote(new, s.unconfirmed, self.cfg.steps_per_call)
 
+    def _settle_all(self, s: _Slot) -> None:
+        """Collect the outstanding call of `s` and wait for a replacement it needed: `s` is up and idle."""
+        self._settle(s)
+        self._await_boot(s)
+
     def _settle(self, s: _Slot) -> None:
-        """Collect the outstanding call of `s` (replacing the worker if it died)."""
+        """Collect the outstanding call of `s` (starting a replacement, not waiting for it, if the worker died)."""
         if s.ref is None:
             return
         ref, s.ref = s.ref, None
@@ -252,7 +298,10 @@ class RolloutPool:
             self._replace(s, type(exc).__name__)
             return
         s.unconfirmed = []
-        s.running_since.setdefault(s.incarnation, time.monotonic())  # this incarnation has run its requests: it is up
+        if s.incarnation not in s.running_since:  # this incarnation has run its requests: it is up
+            s.running_since[s.incarnation] = time.monotonic()
+            if len(self._spares) < self.spares and not self._recovering():
+                self._refill()
         self._live_counters[s.index] = report.counters
         lost = [t for t in report.already_final if t in self._want and t not in self._done]
         if lost:  # finalized by an earlier run whose pool never got the record: it is in that run's data plane
@@ -283,7 +332,7 @@ class RolloutPool:
         snapshots. The worker itself stays. Returns the preempted trajectory ids ([] if the worker died)."""
         s = self.slots[slot_index]
         self._settle(s)  # the notice arrives between calls
-        if s.ref is not None or s.actor is None:
+        if s.ref is not None or s.boot is not None or s.actor is None:  # starting: its requests wait in the backlog
             return []
         try:
             return list(self.ray.get(s.actor.suspend.remote(), timeout=self.cfg.call_timeout_s))
@@ -310,6 +359,10 @@ class RolloutPool:
             return 0
         ready, _ = self.ray.wait(pings, num_returns=len(pings), timeout=0)
         return len(ready)
+
+    def starting(self, slot_index: int) -> bool:
+        """Whether worker `slot_index`'s next actor is starting (its requests wait for it)."""
+        return self.slots[slot_index].boot is not None
 
     def incarnation(self, slot_index: int) -> int:
         """How many actors worker `slot_index` has had (1 until its first replacement)."""

@@ -60,6 +60,7 @@ def _open_wal(spec: WorkerSpec):
     if spec.wal_addr:
         return wal_mod.connect(spec.wal_addr, token=spec.wal_token)
     deadline = time.monotonic() + spec.wal_open_wait_s
+    pause_s = 0.002
     while True:  # a killed predecessor may still hold the directory lock for a moment
         try:
             return wal_mod.open(spec.wal_path, wal_mod.WALConfig(
@@ -67,7 +68,10 @@ def _open_wal(spec: WorkerSpec):
         except wal_mod.LockedError:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.1)
+            # a replacement starts while `ray.kill` of its predecessor is still under way: the lock is free a few
+            # ms later, and recovery waits on this loop, so look again soon (backing off to 0.1 s)
+            time.sleep(pause_s)
+            pause_s = min(0.1, pause_s * 2)
 
 
 def load_for_engine(checkpoint: str, dtype: torch.dtype, device: str):
@@ -321,10 +325,14 @@ try:
             else:
                 self.w = RolloutWorker(spec, weights, policy_version)
 
-        def start(self, spec: WorkerSpec, weights=None, policy_version: int = 0) -> int:
-            """A spare takes over a slot: the worker is built as a fresh actor's would be; returns the pid."""
+        def start(self, spec: WorkerSpec, weights=None, policy_version: int = 0) -> tuple[int, str]:
+            """A spare takes over a slot: the worker is built as a fresh actor's would be; returns `ident()`."""
             self.w = RolloutWorker(spec, weights, policy_version)
-            return os.getpid()
+            return self.ident()
+
+        def ident(self) -> tuple[int, str]:
+            """(pid, Ray node id): where this actor runs, in one call."""
+            return os.getpid(), ray.get_runtime_context().get_node_id()
 
         def pid(self) -> int:
             return os.getpid()

@@ -121,3 +121,29 @@ def test_tool_runs_exactly_once_across_a_kill_mid_call(tmp_path, tiny_ckpt, tiny
     start = len(tiny_policy[1].encode("mul 37*41=<call>calc: 37*41</call>"))
     assert y.loss_mask[start:start + n_result] == [False] * n_result  # result tokens are loss-masked
     assert y.loss_mask[start - 1] and not any(y.loss_mask[:len(tiny_policy[1].encode("mul 37*41="))])
+
+
+def test_a_worker_starting_after_a_kill_holds_up_no_other_worker(tmp_path, tiny_ckpt):
+    """No spare: the killed worker's replacement is a cold actor (seconds to start). The pool keeps calling the
+    other worker meanwhile: its trajectories show new committed tokens in rounds where the replacement starts."""
+    reqs = [Request(f"arith-{i}", "arith", f"add {i * 13}+{i * 7}=", SamplingParams(max_new_tokens=60))
+            for i in range(8)]
+    pool = RolloutPool(tiny_ckpt, tmp_path / "run", PoolConfig(workers=2, steps_per_call=2), ENGINE, use_tools=False)
+    other = [r.traj_id for i, r in enumerate(reqs) if i % 2 == 1]  # worker 1's
+    during: list[int] = []  # worker 1's committed positions in each round while worker 0's replacement starts
+    state = {"rounds": 0}
+
+    def observer(p):
+        state["rounds"] += 1
+        if state["rounds"] == 3:
+            p.kill(0)
+        if p.starting(0):
+            during.append(sum(p.seen(t) for t in other))
+
+    try:
+        res = pool.run(reqs, observer)
+    finally:
+        pool.close()
+    assert res.replacements == 1 and len(res.finished) == len(reqs)
+    assert res.tokens_lost == 0 and res.tokens_resampled == 0
+    assert len(during) >= 2 and during[-1] > during[0], during
