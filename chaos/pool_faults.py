@@ -90,7 +90,7 @@ class PoolInjector:
                      if pool.in_flight(k % n) and self._killed.get(k % n) != pool.incarnation(k % n)), None)
         if slot is None:
             return  # nothing in flight anywhere this round: the fault waits
-        if self.wait_for_spare and f.kind not in PREEMPTIONS and pool.spares and not pool.warm_spares():
+        if self.wait_for_spare and f.kind not in PREEMPTIONS and pool.spares and pool.warm_spares() <= self._owed(pool):
             self.spare_waits += 1
             return
         hit = self._inject(pool, f.kind, slot)
@@ -104,6 +104,11 @@ class PoolInjector:
                                       pool.incarnation(slot)))
         self._pending.popleft()
         self._wait = self._pending[0].gap if self._pending else 0
+
+    def _owed(self, pool) -> int:
+        """Warm spares already due to earlier kills: workers killed whose death the pool has not seen yet (it
+        sees a SIGKILL only when Ray reports it, some rounds later) and will replace from the same spares."""
+        return sum(1 for k, inc in self._killed.items() if pool.incarnation(k) == inc and not pool.starting(k))
 
     def _inject(self, pool, kind: str, slot: int) -> list[str]:
         if kind in PREEMPTIONS:
@@ -122,8 +127,11 @@ class PoolInjector:
         if kind == "actor_kill":
             pool.kill(slot)
         elif kind == "sigkill":
+            pid = pool.worker_pid(slot)
+            if pid <= 0:  # never signal a process group
+                raise ValueError(f"worker {slot} has no process id yet")
             try:
-                os.kill(pool.worker_pid(slot), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         elif kind == "node_loss" and self.kill_node is not None:
