@@ -232,7 +232,7 @@ class Engine:
         """Enqueue decode steps (asynchronous on a GPU); `collect_steps` reads their draws. Between the two
         the caller may commit earlier draws, so the WAL's fsync overlaps the device's work. More than one
         step only with the chunked decoder (`decode_chunk` > 1) and rows it covers; else one step. A chunk
-        runs no more steps than the largest token budget left among its rows."""
+        runs no more steps than the most any of its rows can still draw (token budget, context)."""
         seqs = sorted(self.running(), key=lambda s: s.slot)
         if not seqs:
             return None
@@ -248,7 +248,8 @@ class Engine:
             for s in group:
                 s.kv_len = len(s.tokens) - 1
         if self.chunk is not None and all(self.chunk.covers(s.params) for s in seqs):
-            n = min(steps, self.chunk.max_chunk, max(s.params.max_new_tokens - s.n_sampled for s in seqs))
+            left = max(min(s.params.max_new_tokens - s.n_sampled, self.max_len - 1 - len(s.tokens)) for s in seqs)
+            n = min(steps, self.chunk.max_chunk, left)
             return "chunk", seqs, [len(s.tokens) for s in seqs], self.chunk.launch(seqs, max(1, n))
         if self.static is not None:
             rows, logits_BV = seqs, self.static.forward(seqs)

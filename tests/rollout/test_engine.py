@@ -212,3 +212,17 @@ def test_chunked_decode_decodes_new_weights(tiny_policy):
     prompts, ids = _prompts(tok, 3), [f"n{i}" for i in range(3)]
     fresh = Engine(want, tok, seed=5, max_batch=2, max_len=64)
     assert [s.tokens for s in eng.generate(prompts, P, ids)] == [s.tokens for s in fresh.generate(prompts, P, ids)]
+
+
+def test_a_chunk_runs_no_more_steps_than_its_rows_can_draw(tiny_policy):
+    """A chunk is cut at the most tokens any row may still draw (its budget, the context left)."""
+    model, tok = tiny_policy
+    p = _prompts(tok, 1)[0]
+    eng = Engine(model, tok, seed=1, max_batch=2, max_len=len(p) + 12, decode_chunk=64)
+    eng.add("a", p, [False] * len(p), SamplingParams(max_new_tokens=40, ignore_eos=True))
+    steps = eng.collect_steps(eng.launch(64))
+    assert len(steps) == 11 and eng.stats["decode_rows"] == 11  # max_len - 1 - len(prompt): the context ends it
+    eng.accept_steps(steps)
+    assert eng.seqs["a"].reason == "context" and len(eng.seqs["a"].tokens) == len(p) + 11
+    eng.add("b", p, [False] * len(p), SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert len(eng.collect_steps(eng.launch(64))) == 5
