@@ -110,6 +110,10 @@ class Log:
         self._next_lsn = lsn + 1
         return lsn
 
+    def check_failed(self) -> bool:
+        """Whether check_open would raise (a poisoned or closed log)."""
+        return self._error is not None or self._closed
+
     def check_open(self) -> None:
         if self._error is not None:
             raise LogClosedError(f"WAL {self.directory} failed a write or fsync ({self._error}); reopen it to recover")

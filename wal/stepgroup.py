@@ -34,7 +34,7 @@ _TILED_MIN_COLUMNS = 64  # narrower groups transpose in one copy
 
 class StepGroup:
     __slots__ = ("ids", "trajs", "n", "capacity", "rows", "base_B", "next_B", "next_starts", "tok_RB", "lp_RB",
-                 "_tok_mv", "_lp_mv", "version_R", "lsn_R", "lens", "ids_blob")
+                 "_tok_mv", "_lp_mv", "_ones_B", "version_R", "lsn_R", "lens", "ids_blob")
 
     def __init__(self, ids: list[str], trajs: list, idbs: list[bytes], reuse: StepGroup | None = None) -> None:
         """`reuse`: a dissolved group whose row arrays this one may take over (when their shape fits: no
@@ -47,6 +47,7 @@ class StepGroup:
         self.base_B = np.array([t.length for t in trajs], dtype="<i8")  # each trajectory's length at row 0
         self.next_B = self.base_B.copy()  # the positions the next row must carry
         self.next_starts = self.next_B.tobytes()  # the same, packed
+        self._ones_B = np.ones(self.n, "<i8")  # next_B += ones: half the cost of += 1 (no scalar conversion)
         if reuse is not None and reuse.rows == 0 and reuse.tok_RB.shape == (self.capacity, self.n):
             self.tok_RB, self.lp_RB = reuse.tok_RB, reuse.lp_RB
         else:
@@ -69,16 +70,16 @@ class StepGroup:
 
     def add_row(self, tokens: bytes, logprobs: bytes, version: int, lsn: int) -> None:
         """Step `lsn` (checked: these trajectories, each at its next position; one token each, packed)."""
-        r = self.rows
+        r, n = self.rows, self.n
         tb, lb = len(tokens), len(logprobs)
-        if tb != self.n * TOKEN_BYTES or lb != self.n * LOGPROB_BYTES or r >= self.capacity:
+        if tb != n * TOKEN_BYTES or lb != n * LOGPROB_BYTES or r >= self.capacity:
             raise AssertionError(f"step of {tb} B tokens / {lb} B log-probs for a group of {self.n} at row {r}/{self.capacity}")
         self._tok_mv[r * tb:(r + 1) * tb] = tokens
         self._lp_mv[r * lb:(r + 1) * lb] = logprobs
         self.version_R.append(version)
         self.lsn_R.append(lsn)
         self.rows = r + 1
-        self.next_B += 1
+        self.next_B += self._ones_B
         self.next_starts = self.next_B.tobytes()
 
     def dissolve(self, durable_lsn: int) -> None:

@@ -26,6 +26,9 @@ from wal.log import Log
 from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
 
 
+_TOKENS, _LOGPROBS, _POSITIONS = np.dtype(codec.TOKEN_DTYPE), np.dtype(codec.LOGPROB_DTYPE), np.dtype("<i8")
+
+
 class Store:
     def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
         self.config = config or WALConfig()
@@ -169,6 +172,8 @@ class Store:
         one checksum). All items are checked before anything is written (a gap, rewrite or finalized
         trajectory fails the whole step); exact repeats are dropped from the record. The common case
         (every trajectory known, every position its next) costs a few list operations per step."""
+        if self._step_fast(traj_ids, positions, tokens, logprobs, policy_version):
+            return
         n = len(traj_ids)
         tok = codec.pack_tokens(tokens)
         lp = codec.pack_logprobs(logprobs, len(tok) // 4)
@@ -221,6 +226,41 @@ class Store:
             big = self.log.batch_bytes > self.config.max_batch_bytes
         if big:
             self.log.commit()
+
+    def _step_fast(self, traj_ids, positions, tokens, logprobs, policy_version) -> bool:
+        """append_step for a step given as a decode loop holds it (int32 tokens, float64 log-probs and
+        int64 positions as numpy arrays, an int version) that is the step group's next row, with the
+        checks of the general path inlined: True when it is logged. Anything else (other types, a bad
+        value, other ids or positions, a closed log) returns False before changing anything, and the
+        general path takes the step (and raises what it raises)."""
+        g = self.tokens.group
+        if (g is None or type(tokens) is not np.ndarray or type(logprobs) is not np.ndarray
+                or type(positions) is not np.ndarray or type(policy_version) is not int or policy_version < 0):
+            return False
+        shape = (g.n,)
+        if (tokens.shape != shape or logprobs.shape != shape or positions.shape != shape or tokens.dtype != _TOKENS
+                or logprobs.dtype != _LOGPROBS or positions.dtype != _POSITIONS):
+            return False
+        if tokens[tokens.argmin()] < 0:  # codec.pack_tokens's check
+            return False
+        d = logprobs.dot(logprobs)  # codec.pack_logprobs's NaN check
+        if d != d:
+            return False
+        starts = positions.tobytes()
+        if starts != g.next_starts:
+            return False
+        tok, lp = tokens.tobytes(), logprobs.tobytes()
+        log = self.log
+        with self.mutex:
+            if self.tokens.group is not g or not g.matches(traj_ids, starts) or log.check_failed():
+                return False
+            lsn = log.append_locked(lambda lsn, mark: codec.encode_step_blob(
+                lsn, g.n, g.lens, g.ids_blob, starts, policy_version, tok, lp, mark))
+            g.add_row(tok, lp, policy_version, lsn)
+            big = log.batch_bytes > self.config.max_batch_bytes
+        if big:
+            log.commit()
+        return True
 
     def _step_slow(self, objs, traj_ids, starts, tok, lp, version):
         """Check a step item by item (new trajectories, repeats, gaps, rewrites, finalized ones; raises on

@@ -105,3 +105,64 @@ def test_a_full_group_is_one_index_block():
     from wal.index import BLOCK_TOKENS
 
     assert stepgroup.MAX_ROWS == BLOCK_TOKENS
+
+
+def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path):
+    """Steps as a decode loop holds them (int32 / float64 / int64 arrays) take Store._step_fast; a bad
+    value, another dtype or shape, a numpy version or a closed log leaves it for the general path, which
+    logs or refuses exactly as it does for any other input."""
+    from wal.store import Store
+
+    fast_hits = []
+    original = Store._step_fast
+
+    def counting(self, *args):
+        done = original(self, *args)
+        fast_hits.append(done)
+        return done
+
+    w = wal.open(tmp_path)
+    Store._step_fast = counting
+    try:
+        ids = [f"t{k}" for k in range(6)]
+        tok = lambda p: (np.arange(6, dtype=np.int32) * 7 + p).astype(np.int32)  # noqa: E731
+        lp = lambda p: np.linspace(-3.0, -0.1, 6) - p  # noqa: E731
+        pos = lambda p: np.full(6, p, np.int64)  # noqa: E731
+        w.append_step(ids, pos(0), tok(0), lp(0), 0)  # starts the group (general path)
+        w.append_step(ids, pos(1), tok(1), lp(1), 0)
+        assert fast_hits[-1] is True
+        bad_tok = tok(2)
+        bad_tok[4] = -5
+        bad_lp = lp(2)
+        bad_lp[3] = np.nan
+        for args, err in (((ids, pos(2), bad_tok, lp(2), 0), "0..2"), ((ids, pos(2), tok(2), bad_lp, 0), "NaN"),
+                          ((ids, pos(2), tok(2), lp(2), -1), ">= 0")):
+            with pytest.raises(wal.codec.CodecError, match=err):
+                w.append_step(*args)
+            assert fast_hits[-1] is False
+        inf_lp = lp(2)
+        inf_lp[0] = -np.inf
+        w.append_step(ids, pos(2), tok(2), inf_lp, 0)  # -inf is a log-probability, not NaN; the group went on
+        assert fast_hits[-1] is True
+        for args, err in (((ids, pos(4), tok(3), lp(3), 0), "gap"), ((ids, pos(1), tok(3), lp(3), 0), "rewrites")):
+            with pytest.raises((wal.GapError, wal.ConflictError), match=err):
+                w.append_step(*args)  # checked item by item (the group is merged into the index first)
+            assert fast_hits[-1] is False
+        # other dtypes and a numpy version: the general path (which starts a new group), same result
+        w.append_step(ids, pos(3).astype(np.uint32), tok(3).astype(np.int64), lp(3).astype(np.float32), np.int64(1))
+        assert fast_hits[-1] is False
+        w.append_step(ids, pos(4), tok(4), lp(4), 1)
+        assert fast_hits[-1] is True
+        w.commit()
+        for j, t in enumerate(ids):
+            assert w.tokens(t) == [j * 7 + p for p in range(5)]
+            assert w.logprobs(t)[:2] == [lp(0)[j], lp(1)[j]] and w.logprobs(t)[2] == inf_lp[j]
+            assert w.logprobs(t)[3] == float(np.float32(lp(3)[j])) and w.policy_versions(t) == [0, 0, 0, 1, 1]
+        w.close()
+        with pytest.raises(wal.LogClosedError):
+            w.append_step(ids, pos(5), tok(5), lp(5), 1)
+    finally:
+        Store._step_fast = original
+    w = wal.open(tmp_path)
+    assert w.tokens("t5") == [35 + p for p in range(5)]
+    w.close()
