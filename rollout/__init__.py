@@ -4,6 +4,9 @@ snapshots, Ray rollout workers, the pool that survives their death, the multi-tu
     sampling.py   counter-based RNG keyed by (seed, trajectory, position); inverse-CDF draws in fp64
     kvcache.py    slot KV cache written through HF's `cache.update` protocol (requests join and leave)
     engine.py     Engine: admit / resume, launch + collect decode steps, accept, strict batch-invariant mode
+    lean_forward.py  the Llama-family forward straight on the parameters (CPU decode; every slot at once on a GPU)
+    static_decode.py one all-slot decode step, captured as a CUDA graph
+    chunk_decode.py  several decode steps per host round trip, each draw fed back on the device (CUDA graph, compile)
     snapshot.py   KV snapshots: safetensors + validating header, chunk crc32c, local / pyarrow.fs store
     types.py      Request, Finished, WorkerReport, ENV_LOGPROB (marks prompt and tool-result tokens)
     config.py     EngineConfig, SamplingConfig, PoolConfig, RolloutConfig (configs/rollout.toml)
