@@ -98,10 +98,11 @@ class RolloutPool:
         # Warm spares: actor processes with their imports done, waiting to take over a dead worker's slot
         # (a cold actor start is most of a replacement's cost).
         self.spares, self._spares = spares, deque()  # (actor, ping): the ping answers once the spare is up
-        self._start(*self.slots)  # all at once: each actor imports torch and loads the policy in parallel
+        # Set before the first start: a first actor that dies starting is already a replacement.
         self.replacements = 0
         self._dead_counters: Counter = Counter()
         self._live_counters: dict[int, dict] = {}
+        self._start(*self.slots)  # all at once: each actor imports torch and loads the policy in parallel
 
     # -- lifecycle --------------------------------------------------------------------------
     def _actor(self, *args):

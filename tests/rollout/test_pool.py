@@ -147,3 +147,18 @@ def test_a_worker_starting_after_a_kill_holds_up_no_other_worker(tmp_path, tiny_
     assert res.replacements == 1 and len(res.finished) == len(reqs)
     assert res.tokens_lost == 0 and res.tokens_resampled == 0
     assert len(during) >= 2 and during[-1] > during[0], during
+
+
+def test_a_worker_that_dies_starting_is_a_bounded_replacement(tmp_path):
+    """The first actors die in their constructor (the checkpoint cannot load): each death is a replacement,
+    and the pool stops at its bound with the cause, before it has run anything."""
+    bad = tmp_path / "not-a-checkpoint"
+    bad.mkdir()
+    (bad / "config.json").write_text("{ not json")
+    try:
+        RolloutPool(bad, tmp_path / "run", PoolConfig(workers=1, max_replacements=1, call_timeout_s=120),
+                    ENGINE, use_tools=False)
+    except RuntimeError as exc:
+        assert "replacements reached the bound" in str(exc) and "worker 0" in str(exc), exc
+    else:
+        raise AssertionError("a pool whose workers cannot start must fail")
