@@ -171,7 +171,7 @@ def pack_positions(positions) -> bytes:
         arr = array("q", positions)
     except (TypeError, OverflowError) as exc:
         raise CodecError(f"positions must be integers in 0..2^63-1: {exc}") from None
-    if arr and (min(arr) if len(arr) <= _SMALL else int(np.frombuffer(arr, np.int64).min())) < 0:
+    if arr and (min(arr) < 0 if len(arr) <= _SMALL else _has_negative(np.frombuffer(arr, np.int64))):
         raise CodecError(f"positions must be >= 0, got {min(arr)}")
     if not _LITTLE:
         arr.byteswap()
@@ -433,8 +433,8 @@ def pack_tokens(tokens) -> bytes:
             packed = array("i", tokens)
         except (TypeError, OverflowError):
             packed = None  # let the numpy path produce the precise error
-        if packed is not None and (not tokens or (min(packed) if len(packed) <= _SMALL
-                                                  else int(np.frombuffer(packed, np.int32).min())) >= 0):
+        if packed is not None and (not tokens or (min(packed) >= 0 if len(packed) <= _SMALL
+                                                  else not _has_negative(np.frombuffer(packed, np.int32)))):
             if not _LITTLE:
                 packed.byteswap()
             return packed.tobytes()

@@ -128,6 +128,13 @@ def test_numpy_fast_paths_check_every_element(seed):
     bad_l[rng.integers(n)] = np.nan
     with pytest.raises(codec.CodecError, match="0..2147483647"):
         codec.pack_tokens(bad_t)
+    with pytest.raises(codec.CodecError, match="0..2147483647"):
+        codec.pack_tokens(bad_t.tolist())
+    positions = rng.integers(0, 2**40, n).tolist()
+    assert codec.pack_positions(positions) == np.asarray(positions, "<i8").tobytes()
+    positions[rng.integers(n)] = -1
+    with pytest.raises(codec.CodecError, match=">= 0"):
+        codec.pack_positions(positions)
     with pytest.raises(codec.CodecError, match="NaN"):
         codec.pack_logprobs(bad_l, n)
     with pytest.raises(codec.CodecError, match="negative"):
