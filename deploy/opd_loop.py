@@ -15,7 +15,10 @@ One iteration k:
      one optimizer step each (distill/opd_learner.py); one teacher head resident at a time.
   4. The learner group publishes policy version v+1 to the pool.
 
-Resume: from `OUT/checkpoints/latest`, as `postrain grpo` (the same teacher set is required). Prompts
+Resume: from `OUT/checkpoints/latest`, as `postrain grpo` (the same teacher set is required). A URI run
+directory (deploy/run_storage.py) is laid out as grpo's: checkpoints, final/ and the run files are published
+there, the data plane's shards (the teacher hidden-state cache among them) are written there directly, and
+the student and teachers may be URIs of committed checkpoints (downloaded, every file checked). Prompts
 and sampling are pure functions of (seed, iteration, trajectory id, position) and, in strict mode, so
 are prefill and training: a resumed or chaos run repeats the calm run's metrics.
 """
@@ -34,10 +37,12 @@ from core.errors import UserError
 from core.hf import resolve_checkpoint
 from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
+from dataplane.remote import is_uri
 from deploy.rollout_row import rollout_row
 from deploy.grpo_loop import _IterationSink, batch_name
 from deploy.mixture import domain_shares, kl_weights
 from deploy.opd_config import OPDLoopConfig
+from deploy.run_storage import local_checkpoint
 from distill.cache import CacheMismatch, CacheRecord, cache_run, check
 from distill.teachers import Teacher, resolve_teachers, table_entries
 
@@ -80,7 +85,7 @@ class OPDLoop:
 
     def __init__(self, cfg: OPDLoopConfig, student: str | Path, teacher_args: list[tuple[str, str, float]],
                  out: str | Path, iterations: int, chaos_seed: int | None = None, resume: bool = False,
-                 quiet: bool = False, stop_after: int | None = None):
+                 quiet: bool = False, stop_after: int | None = None, storage=None):
         check_config(cfg)
         if iterations < 1:
             raise UserError("opd: --iterations must be >= 1")
@@ -88,9 +93,13 @@ class OPDLoop:
             raise UserError(f"opd: --stop-after {stop_after} must lie in 1..--iterations ({iterations})")
         self.cfg, self.iterations, self.chaos_seed, self.quiet, self.stop_after = cfg, iterations, chaos_seed, quiet, stop_after
         self.t_start = time.monotonic()
-        self.student = resolve_checkpoint(student)
+        self.storage = storage  # deploy.run_storage.RunStorage of a URI run directory: checkpoints and run files go there too
+        self.student = resolve_checkpoint(local_checkpoint(student))
+        self.student_source = str(student) if is_uri(student) else str(self.student)
         known = rewards.domains()
         entries = table_entries(cfg.opd.teachers) + list(teacher_args)
+        specs = [p for _, p, _ in entries]  # as given: a URI names its teacher across machines, a staging path does not
+        entries = [(d, local_checkpoint(p) if d in known else p, w) for d, p, w in entries]
         for d in cfg.loop.domains:
             if d not in known:
                 raise UserError(f"opd: unknown domain {d!r} in loop.domains; known: {', '.join(known)}")
@@ -98,6 +107,7 @@ class OPDLoop:
         if not self.domains:
             raise UserError("opd: no teachers given: pass --teacher DOMAIN=DIR (one per domain) or [opd.teachers]")
         self.teachers = resolve_teachers(entries, self.student, self.domains, known)
+        self.sources = {t.name: spec if is_uri(spec) else t.path for t, spec in zip(self.teachers, specs)}
         self.teachers = [t for t in self.teachers if t.domain in self.domains]
         self.by_name = {t.name: t for t in self.teachers}
         domain_shares(cfg.loop.prompts_per_iteration, self.domains, cfg.loop.domain_weights)  # checks the weights
@@ -111,7 +121,8 @@ class OPDLoop:
 
     def _prepare_out(self, resume: bool) -> str:
         meta_path = self.out / "opd_run.json"
-        teachers = [{k: t.to_json()[k] for k in ("name", "domain", "path", "weight", "fingerprint")} for t in self.teachers]
+        teachers = [{k: t.to_json()[k] for k in ("name", "domain", "weight", "fingerprint")} | {"path": self.sources[t.name]}
+                    for t in self.teachers]
         if resume:
             if not meta_path.is_file():
                 raise UserError(f"opd: --resume but {self.out} holds no OPD run (opd_run.json missing)")
@@ -126,7 +137,7 @@ class OPDLoop:
         from core.atomic import write_atomic
 
         run_id = uuid.uuid4().hex
-        write_atomic(meta_path, json.dumps({"run_id": run_id, "student": str(self.student), "domains": self.domains,
+        write_atomic(meta_path, json.dumps({"run_id": run_id, "student": self.student_source, "domains": self.domains,
                                             "teachers": teachers}, indent=2).encode())
         return run_id
 
@@ -170,6 +181,8 @@ class OPDLoop:
                 self._drop_batches_after(0)
             self.eval_model, self.tok = load_policy(self.student)
             self.teacher_pass = self._teacher_evals()
+            if self.storage is not None:  # the run's record before its first checkpoint
+                self.storage.publish_files()
             return self._iterate(start)
         finally:
             self.pool.close()
@@ -218,8 +231,10 @@ class OPDLoop:
                 last_eval = self._evaluate(done, weights)
             stop = done == self.stop_after
             if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
-                self.group.save_checkpoint(self.run.checkpoints, done)
+                saved = self.group.save_checkpoint(self.run.checkpoints, done)
                 self._reclaim(done)
+                if self.storage is not None:  # every checkpoint is kept, as in a local run directory
+                    self.storage.publish_checkpoint(saved)
             if stop or done == self.iterations:
                 break
         from core.hf import save_policy
@@ -229,6 +244,10 @@ class OPDLoop:
             self.eval_model.load_state_dict(self.group.weights())
             final = str(save_policy(self.eval_model, self.tok, self.out / "final"))
         self.plot()
+        if self.storage is not None:
+            if final:
+                self.storage.publish_final(final)
+            self.storage.publish_files()
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "teachers": {t.name: t.path for t in self.teachers}, "teacher_pass_at_1": self.teacher_pass,
@@ -460,5 +479,6 @@ class OPDLoop:
 
 
 def run_opd(cfg: OPDLoopConfig, student, teacher_args, out, iterations: int, chaos_seed=None, resume=False,
-            quiet=False, stop_after=None) -> dict:
-    return OPDLoop(cfg, student, teacher_args, out, iterations, chaos_seed, resume, quiet, stop_after).run_loop()
+            quiet=False, stop_after=None, storage=None) -> dict:
+    return OPDLoop(cfg, student, teacher_args, out, iterations, chaos_seed, resume, quiet, stop_after,
+                   storage).run_loop()

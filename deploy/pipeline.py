@@ -42,9 +42,21 @@ def config_path(name: str) -> Path:
     return p if p.is_file() else CONFIGS / name
 
 
+def refuse_uri(what: str, value: str | Path) -> None:
+    """The pipeline hands its stages paths inside RUNS/NAME: a URI is one error saying what takes one."""
+    from dataplane.remote import is_uri
+
+    if is_uri(value):
+        raise UserError(f"pipeline: {what} {value} is a pyarrow.fs URI, which the pipeline does not take; give a path "
+                        "(on a cluster, one every node mounts), or run `postrain grpo` / `opd` / `rollout` with "
+                        "--out URI stage by stage")
+
+
 class Pipeline:
     def __init__(self, cfg: PipelineConfig, name: str, runs: str | Path = "runs", chaos: int | None = None,
                  quick: bool = False, force: bool = False, quiet: bool = False, progress: bool | None = None):
+        refuse_uri("--runs", runs)
+        refuse_uri("merge.init", cfg.merge.init)
         if quick and cfg.quick:
             cfg = config.build(PipelineConfig, config.merge(cfg.model_dump(exclude={"quick"}), cfg.quick), "[quick]")
         self.cfg, self.name, self.chaos, self.quick, self.quiet = cfg, name, chaos, quick, quiet
@@ -75,6 +87,7 @@ class Pipeline:
         for d, entry in self.opd_cfg.opd.teachers.items():
             paths = [e if isinstance(e, str) else e.get("path", "") for e in (entry if isinstance(entry, list) else [entry])]
             for p in paths:
+                refuse_uri(f"the merge's teacher for {d}", p)
                 if not Path(p).exists():
                     raise UserError(f"pipeline: the merge's teacher for {d} ({p}) does not exist")
         if cfg.merge.init != "base" and not Path(cfg.merge.init).exists():

@@ -2,11 +2,12 @@
 
 The run works in a local staging directory (HF `save_pretrained`, SQLite and the plots need local
 paths) and publishes to the URI through `dataplane.remote`:
-  shards        URI/dataplane/store (grpo) or URI/store (rollout), written there directly
+  shards        URI/dataplane/store (grpo, opd: OPD's teacher hidden-state cache too) or URI/store (rollout),
+                written there directly
   KV snapshots  URI/kv, written there directly
   checkpoints   URI/checkpoints/iter_N/ (a committed tree: files, then MANIFEST.json), then URI/checkpoints/latest
   final policy  URI/final/ (a committed tree)
-  reports       config.json, metrics.jsonl, report.json, PNGs: one object each, replaced whole
+  run files     RUN_FILES[kind] (config.json, metrics.jsonl, the run's record, plots): one object each, replaced whole
 `--resume` downloads the latest committed checkpoint (every file checked against its manifest) and the
 run files into the staging directory; a SQLite catalog travels inside each checkpoint (a consistent
 copy), so a resume on another machine sees the batches the checkpoint saw. A plain local `--out` is used as it is: nothing here runs.
@@ -21,11 +22,16 @@ import tempfile
 from pathlib import Path
 
 from core.errors import UserError
+from dataplane.errors import ChecksumError
 from dataplane.remote import MANIFEST, RemoteStore, is_uri
 
 STAGING_ENV = "POSTRAIN_STAGING"  # where staging directories go (default: the temp directory)
 CATALOG = "catalog.db"  # the SQLite catalog's name inside a published checkpoint
-RUN_FILES = ("grpo_run.json", "config.json", "metrics.jsonl", "report.json", "grpo.png", "rollout.png")
+RUN_FILES = {  # what each command keeps at the top of its run directory
+    "grpo": ("grpo_run.json", "config.json", "metrics.jsonl", "report.json", "grpo.png"),
+    "rollout": ("config.json", "metrics.jsonl", "report.json", "rollout.png"),
+    "opd": ("opd_run.json", "config.json", "metrics.jsonl", "teacher_eval.json", "opd.png"),
+}
 
 
 def staging_root() -> Path:
@@ -39,27 +45,34 @@ def _staging_for(uri: str, what: str) -> Path:
 
 
 class RunStorage:
-    """`local`: where the run writes; `remote`: the URI's store, or None for a local run directory."""
+    """The run directory of one `kind` of run (a key of RUN_FILES). `local`: where the run writes; `remote`:
+    the URI's store, or None for a local run directory."""
 
-    def __init__(self, out: str):
-        self.out = str(out)
+    def __init__(self, out: str, kind: str):
+        if kind not in RUN_FILES:
+            raise ValueError(f"RunStorage: kind {kind!r} is not one of {sorted(RUN_FILES)}")
+        self.out, self.kind, self.run_files = str(out), kind, RUN_FILES[kind]
         self.remote = RemoteStore(self.out) if is_uri(out) else None
         self.local = _staging_for(self.out, "run") if self.remote else Path(out)
         self.catalog: Path | None = None  # a SQLite catalog in the staging directory: published with each checkpoint
 
-    def overrides(self, kind: str) -> list[str]:
+    def overrides(self) -> list[str]:
         """Shards and KV snapshots straight to the URI (laid under the user's own --set)."""
         if self.remote is None:
             return []
         out = [f"pool.snapshot_uri={self.out}/kv"]
-        if kind in ("grpo", "opd"):
+        if self.kind in ("grpo", "opd"):
             out.append(f"loop.store={self.out}/dataplane/store")
         return out
 
-    def prepare(self, resume: bool = False) -> None:
-        """A fresh run needs an empty URI; a resumed one gets its run files and latest checkpoint back."""
+    def prepare(self, resume: bool = False, catalog: str | None = None) -> None:
+        """A fresh run needs an empty URI; a resumed one gets its run files and latest checkpoint back.
+        `catalog`: the loop's `loop.catalog` setting; empty means the loop's SQLite default in the staging
+        directory, which then travels inside every published checkpoint."""
         if self.remote is None:
             return
+        if catalog == "":
+            self.catalog = self.local / "dataplane" / CATALOG
         held = self.remote.list("") + self.remote.dirs("")
         if not resume:
             if held:
@@ -72,7 +85,7 @@ class RunStorage:
         if not held:
             raise UserError(f"--resume: run directory {self.out} holds nothing to resume")
         self.local.mkdir(parents=True, exist_ok=True)  # same machine: the SQLite catalog and WALs are kept
-        for name in RUN_FILES:
+        for name in self.run_files:
             data = self.remote.get(name)
             if data is not None:
                 (self.local / name).write_bytes(data)
@@ -81,7 +94,11 @@ class RunStorage:
             shutil.rmtree(ckpts)
         name = self.remote.latest_tree("checkpoints")
         if name is not None:
-            self.remote.download_tree(f"checkpoints/{name}", ckpts / name)
+            try:
+                self.remote.download_tree(f"checkpoints/{name}", ckpts / name)
+            except ChecksumError as exc:
+                raise UserError(f"--resume: the latest checkpoint is damaged: {exc}; delete {self.out}/checkpoints/"
+                                f"{name} to resume from the one before it, or start a fresh --out") from None
             (ckpts / "latest").write_text(name)
             if self.catalog is not None and (ckpts / name / CATALOG).is_file():  # the catalog as of that checkpoint
                 self.catalog.parent.mkdir(parents=True, exist_ok=True)
@@ -119,7 +136,7 @@ class RunStorage:
     def publish_files(self) -> None:
         if self.remote is None:
             return
-        for name in RUN_FILES:
+        for name in self.run_files:
             p = self.local / name
             if p.is_file():
                 self.remote.put(name, p.read_bytes())
@@ -144,7 +161,10 @@ def local_checkpoint(spec: str | Path) -> str:
     for rel in ("", "final"):
         if store.manifest(rel) is not None:
             dest = _staging_for(f"{spec}/{rel}", "checkpoint")
-            store.download_tree(rel, dest)
+            try:
+                store.download_tree(rel, dest)
+            except ChecksumError as exc:
+                raise UserError(f"checkpoint {spec}: {exc}") from None
             return str(dest)
     raise UserError(f"checkpoint {spec}: no committed checkpoint there (no {MANIFEST} in it or in its final/); "
                     "expected the URI of a run directory or of a checkpoint published by postrain")

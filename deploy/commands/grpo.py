@@ -40,9 +40,9 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     from deploy.run_storage import RunStorage, local_checkpoint
 
-    storage = RunStorage(args.out)
+    storage = RunStorage(args.out, "grpo")
     cluster = ClusterRun(args, "grpo", storage.local, tools=tools, uri=storage.remote and storage.out)
-    overrides = cluster.overrides + storage.overrides("grpo") + list(args.overrides)
+    overrides = cluster.overrides + storage.overrides() + list(args.overrides)
     path = args.config or default_config("grpo_loop")
     if len(args.domain) == 1:
         cfg = load_for_domain(path, args.domain[0], overrides)
@@ -59,9 +59,7 @@ def run(args) -> int:
     if args.keep_data:
         cfg.loop.keep_data = True
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
-    if storage.remote is not None and not cfg.loop.catalog:
-        storage.catalog = storage.local / "dataplane" / "catalog.db"  # the loop's default
-    storage.prepare(args.resume)
+    storage.prepare(args.resume, catalog=cfg.loop.catalog)
     init = local_checkpoint(args.init)
     cluster.start(cfg)
     try:

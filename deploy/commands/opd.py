@@ -6,11 +6,14 @@ HELP = "on-policy distillation: the student samples every domain, each domain's 
 
 
 def add_arguments(p):
-    p.add_argument("--student", required=True, help="checkpoint to start the student from (HF checkpoint or run directory)")
+    p.add_argument("--student", required=True, help="checkpoint to start the student from: an HF checkpoint directory "
+                   "or a run directory holding one as final/ (a path or a pyarrow.fs URI)")
     p.add_argument("--teacher", action="append", default=[], metavar="DOMAIN[:WEIGHT]=DIR",
-                   help="the teacher of a domain (repeatable; several per domain with weights); adds to [opd.teachers]")
+                   help="the teacher of a domain (repeatable; several per domain with weights; DIR as --student); "
+                        "adds to [opd.teachers]")
     p.add_argument("--iterations", type=int, required=True, help="OPD iterations in total (a resumed run counts the done ones)")
-    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, opd.png, checkpoints/, final/")
+    p.add_argument("--out", required=True, help="run directory: metrics.jsonl, opd.png, checkpoints/, final/; a path or "
+                   "a pyarrow.fs URI (file:///abs/dir, s3://bucket/prefix, gs://..., hdfs://...)")
     p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
     p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed")
@@ -29,28 +32,29 @@ def run(args) -> int:
     from deploy.opd_loop import run_opd
     from distill.teachers import parse_teacher_arg
 
-    teachers = [parse_teacher_arg(t) for t in args.teacher]
-    from core.errors import UserError
-    from dataplane.remote import is_uri
     from deploy.cluster import ClusterRun
+    from deploy.run_storage import RunStorage
 
-    if any(is_uri(p) for p in (args.out, args.student, *(t[1] for t in teachers))):
-        raise UserError("opd: pyarrow.fs URIs for --out, --student and --teacher are not supported yet (grpo and "
-                        "rollout take them); use a path every node mounts")
-
-    cluster = ClusterRun(args, "opd", args.out, tools=True)
-    cfg = config.load(OPDLoopConfig, args.config or default_config("opd"), cluster.overrides + list(args.overrides))
+    teachers = [parse_teacher_arg(t) for t in args.teacher]
+    storage = RunStorage(args.out, "opd")
+    cluster = ClusterRun(args, "opd", storage.local, tools=True, uri=storage.remote and storage.out)
+    cfg = config.load(OPDLoopConfig, args.config or default_config("opd"),
+                      cluster.overrides + storage.overrides() + list(args.overrides))
     if args.dry_run:
         from deploy.cluster_check import check
 
-        check(cluster, cfg, cfg.loop.catalog)
+        check(cluster, cfg, cfg.loop.catalog, checkpoint=args.student)
         return 0
+    storage.prepare(args.resume, catalog=cfg.loop.catalog)
     cluster.start(cfg)
     try:
-        summary = run_opd(cfg, args.student, teachers, args.out, args.iterations, chaos_seed=args.chaos,
-                          resume=args.resume, quiet=args.quiet or args.json, stop_after=args.stop_after)
+        summary = run_opd(cfg, args.student, teachers, storage.local, args.iterations, chaos_seed=args.chaos,
+                          resume=args.resume, quiet=args.quiet or args.json, stop_after=args.stop_after,
+                          storage=storage)
     finally:
         cluster.close()
+    if storage.remote is not None:  # where the user asked for it, not the staging directory
+        summary |= {"out": args.out, "final": summary["final"] and f"{args.out}/final", "staging": str(storage.local)}
     if args.json:
         print(json.dumps(summary, default=str))
     elif not args.quiet:

@@ -23,11 +23,12 @@ def run(args) -> int:
 
     from core import config
     from deploy.commands._common import default_config
-    from deploy.pipeline import run_pipeline
+    from deploy.pipeline import refuse_uri, run_pipeline
     from deploy.pipeline_config import PipelineConfig
     from deploy.pipeline_report import final_table
 
     cfg = config.load(PipelineConfig, args.config or default_config("pipeline"), args.overrides)
+    refuse_uri("--runs", args.runs)  # before a dry run probes it as a path
     if args.cluster or args.ray_address or args.dry_run:
         _cluster(args, cfg)
         if args.dry_run:

@@ -48,10 +48,10 @@ def run(args) -> int:
         raise UserError(str(exc)) from None
     from deploy.run_storage import RunStorage, local_checkpoint
 
-    storage = RunStorage(args.out)
+    storage = RunStorage(args.out, "rollout")
     cluster = ClusterRun(args, "rollout", storage.local, tools=tools, uri=storage.remote and storage.out)
     cfg = config.load(RolloutConfig, args.config or default_config("rollout"),
-                      cluster.overrides + storage.overrides("rollout") + overrides)
+                      cluster.overrides + storage.overrides() + overrides)
     if args.dry_run:
         from deploy.cluster_check import check
 

@@ -144,6 +144,21 @@ def test_a_missing_teacher_fails_before_any_stage(tmp_path):
     assert res.returncode == 2 and "teacher for calc (/nonexistent/teacher) does not exist" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["--runs", "file:///shared/runs"], "--runs file:///shared/runs is a pyarrow.fs URI"),
+    (["--runs", "gs://b/runs", "--dry-run"], "--runs gs://b/runs is a pyarrow.fs URI"),  # before it probes a path
+    (["--runs", "runs", "--set", "merge.init=s3://b/base"], "merge.init s3://b/base is a pyarrow.fs URI"),
+])
+def test_a_uri_is_one_error_saying_what_takes_one(tmp_path, args, needle):
+    res = subprocess.run([sys.executable, "-m", "deploy.cli", "pipeline", "--name", "u", *args], capture_output=True,
+                         text=True, timeout=120, env={**ENV, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+                         cwd=tmp_path)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+    assert "run `postrain grpo` / `opd` / `rollout` with --out URI stage by stage" in lines[0]
+    assert list(tmp_path.iterdir()) == [], "nothing was written, not even a directory named like the URI"
+
+
 def test_a_base_good_on_every_domain_trains_no_specialist_and_merges_nothing(tmp_path):
     res = pipeline(tmp_path, "--name", "strong", "--set", "quick.specialists.skip_at=0.0")
     assert "the merged model is the student" in res.stdout + res.stderr

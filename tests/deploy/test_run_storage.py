@@ -12,7 +12,6 @@ import sqlite3
 import pytest
 
 from core.errors import UserError
-from dataplane.errors import ChecksumError
 from dataplane.remote import RemoteStore
 from deploy.run_storage import STAGING_ENV, RunStorage, local_checkpoint
 from tests.deploy.test_grpo_loop import _cfg, _rows, _seeded, uninterrupted  # noqa: F401  (the fixture)
@@ -28,8 +27,8 @@ def _ckpt(d, tag: str):
 def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
     uri = f"file://{tmp_path}/runs/a"
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine1"))
-    s = RunStorage(uri)
-    assert s.local.parent.parent == tmp_path / "machine1" and s.local.name == "a" and s.overrides("grpo") == [
+    s = RunStorage(uri, "grpo")
+    assert s.local.parent.parent == tmp_path / "machine1" and s.local.name == "a" and s.overrides() == [
         f"pool.snapshot_uri={uri}/kv", f"loop.store={uri}/dataplane/store"]
     s.catalog = s.local / "dataplane" / "catalog.db"
     s.prepare()
@@ -43,11 +42,11 @@ def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
     remote = RemoteStore(uri)
     assert remote.dirs("checkpoints") == ["iter_00000002", "iter_00000003"]  # keep=2; the cut-short one gone
     with pytest.raises(UserError, match=f"run directory {uri} is not empty"):
-        RunStorage(uri).prepare()
+        RunStorage(uri, "grpo").prepare()
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # another machine resumes from the URI alone
-    r = RunStorage(uri)
-    r.catalog = r.local / "dataplane" / "catalog.db"
-    r.prepare(resume=True)
+    r = RunStorage(uri, "grpo")
+    r.prepare(resume=True, catalog="")  # the loop's default catalog: back from the checkpoint
+    assert r.catalog == r.local / "dataplane" / "catalog.db"
     with contextlib.closing(sqlite3.connect(r.catalog)) as db:  # the catalog came with the checkpoint
         assert db.execute("select x from t").fetchall() == [(7,)]
     assert not (r.local / "checkpoints" / "iter_00000003" / "catalog.db").exists()
@@ -56,8 +55,9 @@ def test_publish_and_resume_elsewhere(tmp_path, monkeypatch):
     assert (r.local / "metrics.jsonl").read_text() == '{"iteration": 1}\n'
     # a checkpoint file damaged in storage: the resume refuses it instead of loading it
     remote.put("checkpoints/iter_00000003/model/model.safetensors", b"x" * 64)
-    with pytest.raises(ChecksumError, match="iter_00000003/model/model.safetensors: sha256 or size differs"):
-        RunStorage(uri).prepare(resume=True)
+    with pytest.raises(UserError, match="--resume: the latest checkpoint is damaged: .*iter_00000003/model/"
+                       "model.safetensors: sha256 or size differs.*delete file://.*/checkpoints/iter_00000003 to resume"):
+        RunStorage(uri, "grpo").prepare(resume=True)
 
 
 def test_local_checkpoint_reads_committed_trees_only(tmp_path, monkeypatch):
@@ -98,21 +98,21 @@ def test_grpo_resumed_from_a_uri_repeats_the_uninterrupted_run(tmp_path, monkeyp
 
     uri = f"file://{tmp_path}/uri-run"
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine1"))
-    s = RunStorage(uri)
+    s = RunStorage(uri, "grpo")
     s.catalog = s.local / "dataplane" / "catalog.db"
     s.prepare()
-    first = run_grpo(_cfg(*s.overrides("grpo")), "reverse", reverse_base, s.local, iterations=2, quiet=True,
+    first = run_grpo(_cfg(*s.overrides()), "reverse", reverse_base, s.local, iterations=2, quiet=True,
                      stop_after=1, storage=s)
     assert first["iterations_done"] == 1
     remote = RemoteStore(uri)
     assert remote.latest_tree("checkpoints") == "iter_00000001"
     assert remote.list("dataplane/store/shards", recursive=True) and remote.exists("metrics.jsonl")
     monkeypatch.setenv(STAGING_ENV, str(tmp_path / "machine2"))  # resumed from what the URI holds
-    r = RunStorage(uri)
+    r = RunStorage(uri, "grpo")
     r.catalog = r.local / "dataplane" / "catalog.db"
     r.prepare(resume=True)
     assert r.catalog.is_file()  # the catalog as of the checkpoint, from the URI
-    run_grpo(_cfg(*r.overrides("grpo")), "reverse", reverse_base, r.local, iterations=2, quiet=True, resume=True,
+    run_grpo(_cfg(*r.overrides()), "reverse", reverse_base, r.local, iterations=2, quiet=True, resume=True,
              storage=r)
     got = tmp_path / "got"
     got.mkdir()
