@@ -167,9 +167,9 @@ def _checkpoint(uri: str) -> str:
     raise UserError(f"checkpoint {uri}: no committed checkpoint there (no MANIFEST.json in it or in its final/)")
 
 
-def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout, checkpoint: str = "") -> None:
+def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout, checkpoint: str | list[str] = "") -> None:
     """Print one line per dependency; UserError naming the failed ones after the report. `checkpoint`: the
-    checkpoint the run starts from, checked when it is a URI."""
+    checkpoint(s) the run reads (its start; OPD's teachers), each checked when it is a URI."""
     results, nodes = [], []
 
     def one(name, fn, *a):
@@ -193,8 +193,9 @@ def check(run: ClusterRun, cfg, catalog: str, out=sys.stdout, checkpoint: str = 
     if run.tools:
         one("sandbox", _sandbox, run, cfg, nodes)
     one("storage", _storage, run, cfg, nodes)
-    if "://" in str(checkpoint):
-        one("checkpoint", _checkpoint, str(checkpoint))
+    for spec in [checkpoint] if isinstance(checkpoint, str) else checkpoint:
+        if "://" in str(spec):
+            one("checkpoint", _checkpoint, str(spec))
     failed = [n for n, ok, _ in results if not ok]
     if failed:
         raise UserError(f"dry run: {len(failed)} of {len(results)} checks failed ({', '.join(failed)})")

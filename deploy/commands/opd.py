@@ -30,7 +30,7 @@ def run(args) -> int:
     from deploy.commands._common import default_config
     from deploy.opd_config import OPDLoopConfig
     from deploy.opd_loop import run_opd
-    from distill.teachers import parse_teacher_arg
+    from distill.teachers import parse_teacher_arg, table_entries
 
     from deploy.cluster import ClusterRun
     from deploy.run_storage import RunStorage
@@ -43,7 +43,8 @@ def run(args) -> int:
     if args.dry_run:
         from deploy.cluster_check import check
 
-        check(cluster, cfg, cfg.loop.catalog, checkpoint=args.student)
+        teacher_paths = [p for _, p, _ in table_entries(cfg.opd.teachers) + teachers]
+        check(cluster, cfg, cfg.loop.catalog, checkpoint=[args.student, *teacher_paths])
         return 0
     storage.prepare(args.resume, catalog=cfg.loop.catalog)
     cluster.start(cfg)

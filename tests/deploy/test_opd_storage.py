@@ -1,7 +1,7 @@
 """`postrain opd` with a pyarrow.fs URI run directory (`file://` through pyarrow's LocalFileSystem) and the
 student and teachers read from URIs: the run publishes committed checkpoint trees, its run files and its
 shards (the teacher hidden-state cache among them) there; a damaged teacher or a damaged published
-checkpoint is refused with one error; a run stopped after a checkpoint and resumed on another "machine"
+checkpoint is refused with one error; `--dry-run` checks the student and every teacher URI; a run stopped after a checkpoint and resumed on another "machine"
 from the URI alone repeats the uninterrupted run's metrics and ignores a checkpoint whose upload was cut
 short."""
 from __future__ import annotations
@@ -100,6 +100,22 @@ def test_a_stopped_run_leaves_committed_trees_and_refuses_damage(stopped, publis
         [r["stage"] for r in rows]
     with pytest.raises(UserError, match=f"run directory {uri} is not empty"):  # a fresh run never writes over it
         RunStorage(uri, "opd").prepare()
+
+
+def test_dry_run_checks_the_student_and_every_teacher_uri(tmp_path, published, models):
+    import shutil
+
+    shutil.copytree(models["calc"], tmp_path / "unpublished")  # files, no manifest: not a committed checkpoint
+    res = subprocess.run([sys.executable, "-m", "deploy.cli", "opd", "--student", published["student"],
+                          "--teacher", f"arith={published['arith']}", "--teacher", f"calc=file://{tmp_path}/unpublished",
+                          "--iterations", "1", "--out", f"file://{tmp_path}/run", "--dry-run"],
+                         env=ENV, capture_output=True, text=True, timeout=300)
+    rows = [ln.split(None, 2) for ln in res.stdout.splitlines() if ln.startswith("  checkpoint")]
+    assert [r[1] for r in rows] == ["ok", "ok", "FAILED"], res.stdout
+    assert rows[0][2].startswith(f"{published['student']}: committed") and published["arith"] in rows[1][2]
+    assert f"checkpoint file://{tmp_path}/unpublished: no committed checkpoint there" in rows[2][2]
+    assert res.returncode == 2 and "checks failed (checkpoint)" in res.stderr
+    assert not (tmp_path / "run").exists(), "a dry run leaves nothing behind"
 
 
 @pytest.mark.slow
