@@ -7,7 +7,7 @@ import sys
 
 
 def test_bench_wal_smoke(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.wal", "--json", "--seconds", "0.05", "--rounds", "1", "--bs", "64,512",
+    r = subprocess.run([sys.executable, "-m", "bench.wal", "--json", "--seconds", "0.3", "--rounds", "1", "--bs", "64,512",
                         "--scan-mb", "2", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
@@ -27,7 +27,7 @@ def test_bench_wal_smoke(tmp_path):
 
 
 def test_bench_wal_grpc_floor_smoke(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "bench.wal_grpc_floor", "--json", "--seconds", "0.05", "--rounds", "1",
+    r = subprocess.run([sys.executable, "-m", "bench.wal_grpc_floor", "--json", "--seconds", "0.3", "--rounds", "1",
                         "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)
