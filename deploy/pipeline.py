@@ -29,6 +29,7 @@ from core.errors import UserError
 from deploy import manifest
 from deploy.pipeline_config import STAGES, PipelineConfig
 from deploy.shared_ray import shared_ray
+from distill.teachers import table_entries
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -84,12 +85,10 @@ class Pipeline:
         if missing:
             raise UserError(f"pipeline: merge samples domain(s) {missing} that the pipeline has no teacher for "
                             f"(pipeline.domains = {cfg.pipeline.domains})")
-        for d, entry in self.opd_cfg.opd.teachers.items():
-            paths = [e if isinstance(e, str) else e.get("path", "") for e in (entry if isinstance(entry, list) else [entry])]
-            for p in paths:
-                refuse_uri(f"the merge's teacher for {d}", p)
-                if not Path(p).exists():
-                    raise UserError(f"pipeline: the merge's teacher for {d} ({p}) does not exist")
+        for d, p, _ in table_entries(self.opd_cfg.opd.teachers):
+            refuse_uri(f"the merge's teacher for {d}", p)
+            if not Path(p).exists():
+                raise UserError(f"pipeline: the merge's teacher for {d} ({p}) does not exist")
         if cfg.merge.init != "base" and not Path(cfg.merge.init).exists():
             raise UserError(f"pipeline: merge.init {cfg.merge.init} does not exist")
         budgets = cfg.stage_budgets_s()
