@@ -5,9 +5,13 @@ node-loss recovery, WAL streams one service holds.
 
 - two_nodes_vs_one_node_tokens_s: rollout tokens/s with the workers spread over the two worker nodes
   and the WAL over gRPC (a log service actor on the head node), divided by the tokens/s of the same
-  worker count on one node (the cluster with one worker node) with in-process WALs. Same requests,
+  worker count on one node (the cluster with one worker node) with in-process WALs. The workload is
+  one GRPO iteration's rollouts as `configs/grpo_loop.toml` ships them (its [engine], [sampling] and
+  [pool] tables: 256 requests, batched decode, a WAL commit per 4 decode steps). Same requests,
   seed, model and worker count on both sides; rounds alternate the order; median of each side over
   the rounds; tokens/s counts committed sampled tokens over the pool's run (actor start-up excluded).
+  The same ratio on a small strict-decode workload (16 episodes of 32 tokens, under a second a run,
+  where per-call costs weigh most) is kept as `placement_small`.
 - node_loss_recovery_s: a worker node is killed (SIGKILL of its raylet and every process under it)
   while its worker holds trajectories with committed tokens; recovery ends when the replacement
   worker on a surviving node has run those trajectories again (its first call came back). The pool
@@ -38,6 +42,7 @@ from rollout.local_cluster import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 N_TRAJ, MAX_NEW, WORKERS, SEED = 16, 32, 2, 11
+PRODUCT_REQUESTS = 256  # one GRPO iteration: loop.prompts_per_iteration x loop.group_size of the shipped config
 
 
 def _checkpoint(path: Path) -> Path:
@@ -62,14 +67,26 @@ def _pool_cfg(**pool):
                          sampling=SamplingConfig(max_new_tokens=MAX_NEW))
 
 
-def _run_pool(ckpt: Path, run_dir: Path, cfg, watch=None, spares: int = 0):
+def _product_cfg(**pool):
+    """The rollout tables of the shipped GRPO loop config, with the pool placed as `pool` says."""
+    import tomllib
+
+    from rollout.config import RolloutConfig
+
+    shipped = tomllib.loads((ROOT / "configs" / "grpo_loop.toml").read_text())
+    tables = {k: dict(shipped.get(k, {})) for k in ("engine", "sampling", "pool")}
+    tables["pool"] |= dict(workers=WORKERS, seed=SEED, call_timeout_s=120, **pool)
+    return RolloutConfig.model_validate(tables)
+
+
+def _run_pool(ckpt: Path, run_dir: Path, cfg, watch=None, spares: int = 0, n: int = N_TRAJ):
     from rollout.pool import RolloutPool
     from rollout.run import requests_for
 
     pool = RolloutPool(ckpt, run_dir, cfg.pool, cfg.engine, use_tools=False, spares=spares)
     try:
         watcher = watch(pool) if watch else None
-        res = pool.run(requests_for("reverse", N_TRAJ, cfg))
+        res = pool.run(requests_for("reverse", n, cfg))
         if watcher is not None:
             watcher.join(60)
         return pool, res
@@ -89,9 +106,11 @@ def _nodes(cluster: LocalCluster, n: int) -> None:
         cluster.add_worker()
 
 
-def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool, watch=None, spares: int = 0):
+def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool, watch=None, spares: int = 0,
+                product: bool = False):
     """A rollout on the cluster: 2 workers of 1 CPU each, SPREAD; the WAL a service actor on the head node, or
-    (wal_service False) in-process logs in the run directory."""
+    (wal_service False) in-process logs in the run directory. `product`: the shipped GRPO iteration's
+    rollouts (`_product_cfg`, 256 requests) instead of the small strict workload."""
     import ray
 
     from rollout.ray_cluster import init_ray
@@ -102,8 +121,9 @@ def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool
     os.environ["POSTRAIN_WAL_TOKEN"] = "bench-cluster"
     try:
         addr = services.start_wal(work / "wal-service", 1, cluster.head_node_id, "bench-cluster")[0] if wal_service else ""
-        pool, res = _run_pool(ckpt, work, _pool_cfg(worker_cpus=1, worker_strategy="SPREAD", wal_addr=addr), watch,
-                              spares)
+        place = dict(worker_cpus=1, worker_strategy="SPREAD", wal_addr=addr)
+        cfg = _product_cfg(**place) if product else _pool_cfg(**place)
+        pool, res = _run_pool(ckpt, work, cfg, watch, spares, n=PRODUCT_REQUESTS if product else N_TRAJ)
     finally:
         services.close()
         os.environ.pop("POSTRAIN_WAL_TOKEN", None)
@@ -115,14 +135,15 @@ def two_nodes(cluster: LocalCluster, ckpt: Path, work: Path, watch=None, spares:
     return _on_cluster(cluster, ckpt, work, True, watch, spares)
 
 
-def placement(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int) -> dict:
+def placement(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int, product: bool = False) -> dict:
     """One node: the cluster with a single worker node (both workers on it), in-process WALs. Two nodes: two
     worker nodes (one worker on each), the WAL over gRPC. Alternating order, same requests."""
     one, two, hashes = [], [], []
+    tag = "product" if product else "small"
     for r in range(rounds):
         for side in (("one", "two") if r % 2 == 0 else ("two", "one")):
             _nodes(cluster, 1 if side == "one" else 2)
-            _, res = _on_cluster(cluster, ckpt, work / f"{side}-{r}", wal_service=side == "two")
+            _, res = _on_cluster(cluster, ckpt, work / f"{tag}-{side}-{r}", wal_service=side == "two", product=product)
             nodes = {ids[-1] for ids in res.worker_nodes.values()}
             if len(nodes) != (1 if side == "one" else 2) or not nodes <= set(cluster.worker_node_ids):
                 raise RuntimeError(f"{side} node(s): the workers ran on {nodes}")
@@ -262,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         streams = wal_streams(args.streams, args.stream_procs, args.stream_commits, work)
         cluster = LocalCluster(workers=2, cpus_per_worker=2, dashboard=False)  # no jobs submitted here
         try:
-            place = placement(cluster, ckpt, work, args.rounds)
-            loss = node_loss(cluster, ckpt, work, args.rounds, place.pop("calm_hashes"))
+            place = placement(cluster, ckpt, work, args.rounds, product=True)
+            place.pop("calm_hashes")
+            small = placement(cluster, ckpt, work, args.rounds)
+            loss = node_loss(cluster, ckpt, work, args.rounds, small.pop("calm_hashes"))
         finally:
             left = cluster.stop()
     ratio, rec, held = place["ratio"], loss["recovery_s_median"], streams["held"]
@@ -273,10 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
         "cluster": "rollout/local_cluster.py: head (0 CPUs, GCS) + 2 worker raylets of 2 CPUs each on this "
                    "machine; node failure noticed after 3 missed 1 s health checks",
-        "workload": f"rollout of {N_TRAJ} `reverse` episodes, {MAX_NEW} new tokens each, {WORKERS} workers, tiny "
-                    "Qwen2-architecture policy (64 hidden, 2 layers), strict decode",
+        "workload": f"placement: one GRPO iteration's rollouts as configs/grpo_loop.toml ships them ({PRODUCT_REQUESTS} "
+                    f"`reverse` requests, {WORKERS} workers); placement_small and node-loss: {N_TRAJ} `reverse` "
+                    f"episodes, {MAX_NEW} new tokens each, strict decode; tiny Qwen2-architecture policy (64 hidden, 2 layers)",
         "method": __doc__.split("\n\n", 2)[2].strip(),
         "placement": place,
+        "placement_small": small,
         "node_loss": loss,
         "wal_streams": streams,
         "processes_left_after_stop": len(left),

@@ -1,7 +1,8 @@
 """The drill catalog: name -> what it does and the function that runs it. Order is run order (the WAL
-drills fork writer processes, learner-kill starts its own Ray in `postrain grpo` and node-loss joins
-its own multi-node cluster, so they run before this process starts Ray for the rollout drills). `slow`: left out of the default test suite's
-fast variant (it trains)."""
+drills fork writer processes, learner-kill starts a local Ray for its `postrain grpo` runs and shuts
+it down, node-loss joins its own multi-node cluster, so they run before this process starts Ray for
+the rollout drills). `fast_faults`: faults per kind of the drill's fast variant (`postrain drill
+--fast`, the default test suite's run of every drill)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ class Drill:
     what: str
     run: Callable[[DrillContext, int], DrillResult]  # (context, faults to inject)
     default_faults: int
-    slow: bool = False
+    fast_faults: int = 2
 
 
 def _rollout(name: str) -> Callable[[DrillContext, int], DrillResult]:
@@ -40,10 +41,10 @@ DRILLS = {d.name: d for d in [
     Drill("teacher-cache-corrupt", "a bit flipped in a teacher hidden-state shard of the OPD cache; the damaged rows "
           "are detected and recomputed, bitwise equal", cache_drill.teacher_cache_corrupt, 60),
     Drill("learner-kill", "SIGKILL of `postrain grpo` mid-iteration, then --resume; the training metrics equal the "
-          "uninterrupted run's", learner_drill.learner_kill, 2, slow=True),
+          "uninterrupted run's", learner_drill.learner_kill, 2, fast_faults=1),
     Drill("node-loss", "a worker node of a local multi-node Ray cluster killed mid-decode (its raylet and processes); "
           "the pool replaces its workers on a surviving node and resumes from the WAL", node_loss_drill.node_loss, 3,
-          slow=True),
+          fast_faults=1),
     Drill("rollout-preempt", "requests preempted to KV snapshots, resumed on the same worker", _rollout("rollout-preempt"), 40),
     Drill("snapshot-corrupt", "preempted, then a bit of every snapshot flipped; re-prefill from the WAL", _rollout("snapshot-corrupt"), 30),
     Drill("snapshot-delete", "preempted, then the snapshots deleted; re-prefill from the WAL", _rollout("snapshot-delete"), 30),

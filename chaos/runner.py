@@ -12,8 +12,10 @@ from chaos.drill import DrillContext, DrillResult
 from chaos.schedule import percentile
 
 
-def run_drills(names: list[str], out: Path, seed: int = 0, trials: int | None = None, on_done=None) -> dict:
-    """Run `names` in catalog order; a drill that raises fails with the error as its reason."""
+def run_drills(names: list[str], out: Path, seed: int = 0, trials: int | None = None, on_done=None,
+               fast: bool = False) -> dict:
+    """Run `names` in catalog order, each with `trials` faults per kind (None: its default count; `fast`: its
+    fast variant's count); a drill that raises fails with the error as its reason."""
     unknown = [n for n in names if n not in DRILLS]
     if unknown:
         raise KeyError(f"unknown drill(s) {', '.join(unknown)}; `postrain drill --list` shows the catalog")
@@ -23,12 +25,13 @@ def run_drills(names: list[str], out: Path, seed: int = 0, trials: int | None = 
     t0 = time.monotonic()
     try:
         for name in [n for n in DRILLS if n in names]:
-            results.append(_one(ctx, DRILLS[name], trials, t0))
+            d = DRILLS[name]
+            results.append(_one(ctx, d, d.fast_faults if fast else trials, t0))
             if on_done:
                 on_done(results[-1])
     finally:
         ctx.close()
-    return totals(results, time.monotonic() - t0, seed, trials)
+    return totals(results, time.monotonic() - t0, seed, "fast" if fast else trials)
 
 
 def _one(ctx: DrillContext, d, trials: int | None, t0: float) -> dict:
@@ -45,7 +48,7 @@ def _one(ctx: DrillContext, d, trials: int | None, t0: float) -> dict:
     return s
 
 
-def totals(drills: list[dict], wall_s: float, seed: int, trials: int | None) -> dict:
+def totals(drills: list[dict], wall_s: float, seed: int, trials: int | str | None) -> dict:
     kinds = {k: v for d in drills for k, v in d["by_kind"].items()}
     rec = {k: [e["recovery_s"] for d in drills for e in d["events"] if e["kind"] == k and e["recovery_s"] is not None]
            for k in kinds}

@@ -21,14 +21,7 @@ def shared_ray(num_cpus: int):
     if os.environ.get("RAY_ADDRESS", "").strip() or os.environ.get(CLUSTER_ENV):
         yield None
         return
-    import ray
+    from rollout.ray_cluster import local_shared_ray
 
-    from rollout.ray_cluster import SHARED_RAY_ENV, init_ray
-
-    init_ray(num_cpus=num_cpus)
-    os.environ[SHARED_RAY_ENV] = address = ray.get_runtime_context().gcs_address
-    try:
+    with local_shared_ray(num_cpus) as address:
         yield address
-    finally:
-        os.environ.pop(SHARED_RAY_ENV, None)
-        ray.shutdown()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from core.errors import UserError
@@ -80,6 +81,21 @@ def init_ray(address: str | None = None, num_cpus: int = 2) -> str:
     except (ConnectionError, ValueError, RuntimeError) as exc:
         raise UserError(f"cannot join the Ray cluster at {target}: {exc}") from None
     return target
+
+
+@contextmanager
+def local_shared_ray(num_cpus: int):
+    """Start a local Ray in this process for the block and name it in $POSTRAIN_SHARED_RAY, so that every
+    `postrain` child started inside joins it (`init_ray`) instead of starting its own; shut down after."""
+    import ray
+
+    init_ray("local", num_cpus=num_cpus)
+    os.environ[SHARED_RAY_ENV] = address = ray.get_runtime_context().gcs_address
+    try:
+        yield address
+    finally:
+        os.environ.pop(SHARED_RAY_ENV, None)
+        ray.shutdown()
 
 
 @dataclass(frozen=True)

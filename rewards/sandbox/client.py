@@ -55,10 +55,18 @@ class SandboxClient:
     """`timeout_s` bounds each attempt; `retries` bounds the attempts after the first (backoff with jitter)."""
 
     def __init__(self, target: str, token: str, timeout_s: float = 30.0, retries: int = 5, backoff_s: float = 0.05):
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 8 << 20)])
-        self._stub = pb_grpc.SandboxStub(self._channel)
+        self.target = target
+        self._connect()
         self._metadata = (("authorization", f"Bearer {token}"),)
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
+
+    def _connect(self) -> None:
+        # A restarted service is reached within ~0.1-1 s: gRPC's own reconnect backoff (1 s, growing 1.6x to
+        # 120 s) would keep failing calls fast long after the service is back.
+        self._channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.max_receive_message_length", 8 << 20),
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1_000)])
+        self._stub = pb_grpc.SandboxStub(self._channel)
 
     def close(self) -> None:
         self._channel.close()
@@ -69,18 +77,23 @@ class SandboxClient:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, method, request, timeout_s: float | None):
+    def _call(self, method: str, request, timeout_s: float | None):
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         for attempt in range(self.retries + 1):
             try:
-                return method(request, timeout=timeout_s, metadata=self._metadata)
+                return getattr(self._stub, method)(request, timeout=timeout_s, metadata=self._metadata)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if code == grpc.StatusCode.ABORTED:
                     raise InvocationAborted(code, exc.details()) from None
                 if code not in RETRYABLE or attempt == self.retries:
                     raise SandboxRefused(code, exc.details()) from None
-            delay = min(self.backoff_s * 2**attempt, 2.0)
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    # A channel whose connection died can stay in its failed state for ~10 s after the service
+                    # is back (seen once grpc.aio clients ran in the process): the next attempt gets a fresh one.
+                    self._channel.close()
+                    self._connect()
+            delay = min(self.backoff_s * 2**attempt, 1.0)
             time.sleep(delay * (0.5 + random.random()))
         raise AssertionError("unreachable")
 
@@ -88,14 +101,14 @@ class SandboxClient:
                 deadline_s: float | None = None) -> Result:
         """Run call `seq` of `sandbox_id` (or get its recorded result). Retries are safe: same key, same call."""
         req = pb.ExecuteRequest(sandbox_id=sandbox_id, seq=seq, call=pb.ToolCall(tool=tool, args=args, timeout_ms=timeout_ms))
-        resp = self._call(self._stub.Execute, req, deadline_s)
+        resp = self._call("Execute", req, deadline_s)
         return Result(pb.ToolResult.FromString(resp.result), resp.result, resp.replayed)
 
     def entries(self, sandbox_id: str, from_seq: int = 0) -> tuple[list[LoggedEntry], int]:
         """Every recorded entry of `sandbox_id` from `from_seq` (all pages), and the next seq it accepts."""
         out: list[LoggedEntry] = []
         while True:
-            resp = self._call(self._stub.Entries, pb.EntriesRequest(sandbox_id=sandbox_id, from_seq=from_seq), None)
+            resp = self._call("Entries", pb.EntriesRequest(sandbox_id=sandbox_id, from_seq=from_seq), None)
             for e in resp.entries:
                 res = Result(pb.ToolResult.FromString(e.result), e.result, True) if e.has_result else None
                 out.append(LoggedEntry(e.seq, pb.ToolCall.FromString(e.call), res, e.in_flight))
@@ -104,7 +117,7 @@ class SandboxClient:
             from_seq = resp.entries[-1].seq + 1
 
     def info(self) -> pb.InfoResponse:
-        return self._call(self._stub.Info, pb.InfoRequest(), None)
+        return self._call("Info", pb.InfoRequest(), None)
 
 
 class SandboxSession:
