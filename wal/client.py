@@ -26,13 +26,15 @@ import time
 from concurrent import futures
 from typing import Sequence
 
+import numpy as np
+
 from wal import codec
 from wal import wal_pb2 as pb
 from wal.base import TokenLog
 from wal.errors import ConflictError, FinalizedError, GapError, LogClosedError, RemoteError, WALError
 from wal.grpc_poller import grpc
 from wal.server import ERROR_KEY, SERVICE
-from wal.store import _index
+from wal.store import _POSITIONS, _index
 
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -90,9 +92,14 @@ class RemoteWAL(TokenLog):
         self._unary = {name: self._channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=ser, response_deserializer=out.FromString)
                        for name, out in (("Read", pb.ReadReply), ("Trajectories", pb.TrajectoriesReply),
                                          ("Finalize", pb.CommitReply), ("Stats", pb.StatsReply))}
+        # _lock guards the queues (held for microseconds); _io_lock is held by whoever uses the stream, a commit
+        # for the whole wait for its ack: appends from the decode loop keep queueing while a commit is in flight.
         self._lock = threading.Lock()
+        self._io_lock = threading.Lock()
         self._batch_ids = itertools.count(1)
         self._chunks: list[pb.TokenChunk] = []
+        self._steps: list[pb.StepChunk] = []  # decode steps queued after _chunks (a request applies chunks first)
+        self._sealed: list[pb.AppendRequest] = []  # queued requests closed off by an append after steps, not yet sent
         self._chunk_bytes = 0
         self._unacked: list[pb.AppendRequest] = []  # sent on the current stream (or to send), not yet acknowledged
         self._closed = False
@@ -112,68 +119,91 @@ class RemoteWAL(TokenLog):
         codec._id_bytes(traj_id, "traj_id")
         with self._lock:
             self._check_open()
+            if self._steps:  # a request applies its chunks before its steps: the queued steps go in a request first
+                self._seal()
             self._chunks.append(pb.TokenChunk(traj_id=traj_id, start=start, policy_version=policy_version, tokens=tok, logprobs=lp))
             self._chunk_bytes += len(tok) + len(lp) + len(traj_id) + 32
-            if self._chunk_bytes >= self._max_pending:
-                if len(self._unacked) >= _MAX_UNACKED:
-                    self._commit_locked()  # bound what is held for resending
-                else:
-                    self._send(commit=False)  # stream it now; the ack of the next commit covers it
+            over = self._chunk_bytes >= self._max_pending
+        if over:
+            self._stream_pending()
         return start + n
 
     def append_step(self, traj_ids: Sequence[str], positions: Sequence[int], tokens: Sequence[int],
                     logprobs: Sequence[float], policy_version: int) -> None:
-        """One batched decode step, queued as one-token chunks (packed once)."""
+        """One batched decode step, queued as one packed StepChunk (one STEP record on the service)."""
         tok = codec.pack_tokens(tokens)
         n = len(tok) // 4
         lp = codec.pack_logprobs(logprobs, n)
         if len(traj_ids) != n or len(positions) != n:
             raise codec.CodecError(f"append_step: {len(traj_ids)} trajectory ids, {len(positions)} positions, {n} tokens; "
                                    f"there must be one of each per trajectory")
-        starts = [_index(p, "position") for p in positions]
+        if type(positions) is np.ndarray and positions.dtype == _POSITIONS:
+            pos = positions
+        else:
+            pos = np.array([_index(p, "position") for p in positions], dtype=_POSITIONS)
         policy_version = _index(policy_version, "policy_version")
-        if policy_version < 0 or (starts and min(starts) < 0):
+        if policy_version < 0 or (n and pos[pos.argmin()] < 0):
             raise codec.CodecError("positions and policy_version must be >= 0")
-        for t in traj_ids:
+        ids = list(traj_ids)
+        for t in ids:
             codec._id_bytes(t, "traj_id")
-        chunk = pb.TokenChunk
         with self._lock:
             self._check_open()
-            self._chunks.extend(chunk(traj_id=t, start=starts[i], policy_version=policy_version,
-                                      tokens=tok[i * 4:i * 4 + 4], logprobs=lp[i * 8:i * 8 + 8])
-                                for i, t in enumerate(traj_ids))
-            self._chunk_bytes += 12 * n + sum(len(t) + 32 for t in traj_ids)
-            if self._chunk_bytes >= self._max_pending:
-                if len(self._unacked) >= _MAX_UNACKED:
-                    self._commit_locked()
-                else:
+            self._steps.append(pb.StepChunk(traj_ids=ids, positions=pos.tobytes(), tokens=tok, logprobs=lp,
+                                            policy_version=policy_version))
+            self._chunk_bytes += 20 * n + sum(len(t) + 2 for t in ids) + 16
+            over = self._chunk_bytes >= self._max_pending
+        if over:
+            self._stream_pending()
+
+    def _stream_pending(self) -> None:
+        """More than max_pending_bytes queued: stream it now (the ack of the next commit covers it), or commit
+        when too many sent requests wait for an ack (they are held for resending)."""
+        with self._io_lock:
+            with self._lock:
+                if self._chunk_bytes < self._max_pending:
+                    return  # a commit took it meanwhile
+                if len(self._unacked) < _MAX_UNACKED:
                     self._send(commit=False)
+                    return
+            self._commit_io()
 
     def _check_open(self) -> None:
         if self._closed:
             raise LogClosedError(f"connection to WAL service {self.address} is closed")
 
+    def _seal(self) -> None:
+        """Close the queued chunks and steps into a request of their own, sent by the next _send (no I/O here)."""
+        self._sealed.append(pb.AppendRequest(batch_id=next(self._batch_ids), chunks=self._chunks, steps=self._steps))
+        self._chunks, self._steps, self._chunk_bytes = [], [], 0
+
     def _send(self, commit: bool) -> tuple[pb.AppendRequest, bool]:
-        """Make the queued chunks one request, held until acknowledged; returns it and whether it was sent (a commit on
-        an open stream is sent together with the read of its ack)."""
-        req = pb.AppendRequest(batch_id=next(self._batch_ids), chunks=self._chunks, commit=commit)
-        self._chunks, self._chunk_bytes = [], 0
-        self._unacked.append(req)
+        """Make the queued chunks one request (after any sealed ones, in order), held until acknowledged; returns
+        it and whether it was sent (a commit on an open stream is sent together with the read of its ack). The
+        caller holds _io_lock and _lock."""
+        req = pb.AppendRequest(batch_id=next(self._batch_ids), chunks=self._chunks, steps=self._steps, commit=commit)
+        reqs, self._sealed = [*self._sealed, req], []
+        self._chunks, self._steps, self._chunk_bytes = [], [], 0
+        self._unacked.extend(reqs)
         if not self._appends.is_open():
             self._appends.open(self._unacked)
             return req, True
+        for r in reqs[:-1]:
+            self._appends.write(r)
         if not commit:
             self._appends.write(req)
         return req, not commit
 
     def commit(self) -> int:
+        with self._io_lock:
+            return self._commit_io()
+
+    def _commit_io(self) -> int:
+        """Send the queued chunks with commit=true and wait for the ack, reconnecting and resending as needed.
+        The caller holds _io_lock; the queues are free for appends while the ack is awaited."""
         with self._lock:
             self._check_open()
-            return self._commit_locked()
-
-    def _commit_locked(self) -> int:
-        """Send the queued chunks with commit=true and wait for the ack, reconnecting and resending as needed."""
-        req, sent = self._send(commit=True)
+            req, sent = self._send(commit=True)
         deadline = time.monotonic() + self.retry_s
         shed = 0  # tries the service refused for load
         while True:
@@ -181,6 +211,10 @@ class RemoteWAL(TokenLog):
                 ack = self._appends.write_and_read(None if sent else req)
                 if ack.batch_id != req.batch_id:
                     raise RemoteError(f"WAL service acknowledged batch {ack.batch_id}, expected {req.batch_id}")
+                if not ack.takes_steps and any(r.steps for r in self._unacked):
+                    self._unacked.clear()
+                    raise RemoteError(f"the WAL service at {self.address} does not take packed decode steps (an older "
+                                      "postrain): nothing of these steps is acknowledged; upgrade the service")
                 self._unacked.clear()
                 return ack.durable_lsn
             except (grpc.RpcError, _StreamEnded) as exc:
@@ -268,7 +302,7 @@ class RemoteWAL(TokenLog):
 
     def finalize(self, traj_id: str) -> None:
         with self._lock:
-            pending = bool(self._chunks) or bool(self._unacked)
+            pending = bool(self._chunks or self._steps or self._sealed or self._unacked)
         if pending:
             self.commit()  # appends before a finalize must land before it
         self._call("Finalize", pb.FinalizeRequest(traj_id=traj_id))
@@ -280,7 +314,7 @@ class RemoteWAL(TokenLog):
         if self._closed:
             return
         try:
-            if self._chunks:
+            if self._chunks or self._steps or self._sealed:
                 self.commit()
         finally:
             with self._lock:

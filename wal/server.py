@@ -33,6 +33,7 @@ import socket
 import threading
 from pathlib import Path
 
+import numpy as np
 from google.protobuf.message import DecodeError
 
 from wal import codec
@@ -62,7 +63,18 @@ async def _parse(cls, raw: bytes, context):
 
 
 def _ack(batch_id: int, durable: int) -> bytes:
-    return pb.AppendAck(batch_id=batch_id, durable_lsn=durable).SerializeToString()
+    return pb.AppendAck(batch_id=batch_id, durable_lsn=durable, takes_steps=True).SerializeToString()
+
+
+def _step_arrays(i: int, st) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray, int]:
+    """A StepChunk as `append_step` takes it from a decode loop (ids, int64 positions, int32 tokens,
+    float64 log-probs, version); the sizes are checked here, the values by the log."""
+    n = len(st.traj_ids)
+    if len(st.positions) != 8 * n or len(st.tokens) != 4 * n or len(st.logprobs) != 8 * n:
+        raise codec.CodecError(f"step {i}: {n} trajectory ids with {len(st.positions)} bytes of positions, "
+                               f"{len(st.tokens)} of tokens and {len(st.logprobs)} of logprobs (want 8, 4 and 8 per id)")
+    return (list(st.traj_ids), np.frombuffer(st.positions, "<i8"), np.frombuffer(st.tokens, codec.TOKEN_DTYPE),
+            np.frombuffer(st.logprobs, codec.LOGPROB_DTYPE), int(st.policy_version))
 
 
 class TokenLogService:
@@ -111,6 +123,15 @@ class TokenLogService:
                     except WALError:
                         pass
                     await self._fail(context, type(exc)(f"batch {req.batch_id} chunk {i}: {exc}"))
+            for i, st in enumerate(req.steps):
+                try:
+                    self.wal.append_step(*_step_arrays(i, st))
+                except (WALError, codec.CodecError) as exc:
+                    try:
+                        await self._commit(True)
+                    except WALError:
+                        pass
+                    await self._fail(context, type(exc)(f"batch {req.batch_id} step {i}: {exc}"))
             if req.commit:
                 try:
                     durable = await self._commit(concurrent)

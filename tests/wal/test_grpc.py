@@ -382,3 +382,98 @@ def test_a_client_sigkilled_mid_stream_leaves_the_service_serving_others(server,
     assert c.tokens("dying") == [s + k for s in range(s0 + 5) for k in range(4)]
     c.close()
     other.close()
+
+
+def test_packed_steps_interleaved_with_chunks_match_the_in_process_log(server, tmp_path):
+    """A decode loop's steps (numpy int32 / float64 / int64, as the engine hands them) travel as packed
+    StepChunks; a prompt admitted mid-decode (a chunk) stays in order before the steps that extend it."""
+    import numpy as np
+
+    local = wal.open(tmp_path / "local")
+    remote = wal.connect(server.address)
+    for log in (local, remote):
+        log.append("a", 0, [5, 6], [-0.1, -0.2], 0)
+        for step in range(6):
+            ids = ["a"] if step < 3 else ["a", "b"]
+            if step == 3:
+                log.append("b", 0, [9], [-0.9], 0)  # admitted between two steps
+            pos = np.array([2 + step] + ([1 + step - 3] if step >= 3 else []), dtype=np.int64)
+            tok = np.array([100 + step, 200 + step][:len(ids)], dtype=np.int32)
+            lp = np.array([-0.5, -0.25][:len(ids)], dtype=np.float64)
+            log.append_step(ids, pos, tok, lp, 1)
+            if step % 2:
+                log.commit()
+        log.commit()
+    for t in ("a", "b"):
+        assert remote.tokens(t) == local.tokens(t) and remote.logprobs(t) == local.logprobs(t)
+        assert remote.policy_versions(t) == local.policy_versions(t)
+    assert remote.tokens("b") == [9, 203, 204, 205]
+    remote.close()
+    local.close()
+
+
+def test_malformed_steps_get_invalid_argument_and_write_nothing(server):
+    def step(**kw):
+        fields = dict(traj_ids=["t"], positions=(0).to_bytes(8, "little"), tokens=b"\1\0\0\0", logprobs=b"\0" * 8,
+                      policy_version=0) | kw
+        return pb.AppendRequest(batch_id=1, commit=True, steps=[pb.StepChunk(**fields)]).SerializeToString()
+
+    for bad, words in [(step(positions=b"\0" * 4), "bytes of positions"), (step(tokens=b"\1\0\0"), "of tokens"),
+                       (step(traj_ids=["t", "u"]), "2 trajectory ids"), (step(logprobs=b"\xff" * 8), "NaN"),
+                       (step(tokens=b"\xff\xff\xff\xff"), "token ids must lie"),
+                       (step(positions=(3).to_bytes(8, "little")), "gap")]:
+        with pytest.raises(grpc.RpcError) as e:
+            _raw_call(server.address, "Append", bad, stream=True)
+        assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), e.value
+        assert words in e.value.details().lower() or words in e.value.details(), e.value.details()
+    assert wal.connect(server.address).trajectories() == [], "refused steps must not write anything"
+    ack = pb.AppendAck.FromString(_raw_call(server.address, "Append", step(), stream=True)[0])
+    assert ack.takes_steps and wal.connect(server.address).tokens("t") == [1]
+
+
+def test_steps_sent_to_a_service_that_does_not_take_them_fail_unacknowledged(server, monkeypatch):
+    """An older service ignores StepChunks (an unknown field) and acks without `takes_steps`: the client
+    refuses that ack instead of reporting the steps durable; chunks alone still work."""
+    import wal.server as srv_mod
+
+    monkeypatch.setattr(srv_mod, "_ack", lambda batch_id, durable: pb.AppendAck(batch_id=batch_id,
+                                                                                 durable_lsn=durable).SerializeToString())
+    c = wal.connect(server.address, retry_s=5)
+    c.append("a", 0, [1], [-1.0], 0)
+    c.commit()
+    c.append_step(["a"], [1], [2], [-1.0], 0)
+    with pytest.raises(wal.RemoteError, match="does not take packed decode steps"):
+        c.commit()
+    c.close()
+
+
+def test_appends_go_on_while_a_commit_waits_for_its_ack(server, monkeypatch):
+    """A decode loop appends its next steps while a background commit waits for the service (the client does
+    not hold its queue lock across the round trip)."""
+    import asyncio
+    import threading
+    import time
+
+    import wal.server as srv_mod
+
+    slow = srv_mod.TokenLogService._commit
+
+    async def slow_commit(self, concurrent):
+        await asyncio.sleep(0.5)
+        return await slow(self, concurrent)
+
+    monkeypatch.setattr(srv_mod.TokenLogService, "_commit", slow_commit)
+    c = wal.connect(server.address, retry_s=5)
+    c.append_step(["a", "b"], [0, 0], [1, 2], [-1.0, -1.0], 0)
+    committer = threading.Thread(target=c.commit)
+    committer.start()
+    time.sleep(0.1)  # the commit is waiting for its ack
+    t0 = time.monotonic()
+    for pos in range(1, 6):
+        c.append_step(["a", "b"], [pos, pos], [1, 2], [-1.0, -1.0], 0)
+    took = time.monotonic() - t0
+    committer.join(10)
+    c.commit()
+    assert took < 0.2, f"appends waited {took:.3f} s for the commit in flight"
+    assert c.tokens("a") == [1] * 6 and c.tokens("b") == [2] * 6
+    c.close()
