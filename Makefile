@@ -30,7 +30,7 @@ run: $(STAMP)
 	$(BIN)/postrain pipeline --name default
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
