@@ -4,7 +4,8 @@ of the same bytes (the limit) and SQLite (WAL mode, synchronous=FULL), plus reco
 Workload: each step appends B tokens (+ log-probs) to a trajectory and commits (one commit per step).
 Also measured, without a target: the batched-decode shape (B trajectories get one token each per
 step, one commit per step), once with one `append` per trajectory (`inproc_batched`) and once with
-one `append_step` call per step (`inproc_step`); and two I/O references: the same bytes written over a
+one `append_step` call per step (`inproc_step`); the recovery of a log of such steps (`recovery_scan_steps`);
+and two I/O references: the same bytes written over a
 zero-filled file + fdatasync (`raw_prealloc_fdatasync`, the WAL's own I/O pattern) and a 1-byte in-place
 rewrite + fdatasync (`floor_1byte_fdatasync`, the cheapest durable commit the disk allows). Configurations of one B are interleaved and repeated (`--rounds`), and
 the median is reported, because shared machines are noisy.
@@ -360,6 +361,38 @@ def recovery_scan(d: Path, mb: int, rounds: int) -> dict:
                     "mb_s: page cache warm; both wall clock; cpu_mb_s per CPU-second of this process, warm"}
 
 
+def recovery_scan_steps(d: Path, mb: int, rounds: int, b: int = 512) -> dict:
+    """Open a log of batched decode steps (STEP records of B trajectories x 1 token, what the rollout engine
+    writes), cold and warm as in recovery_scan. Context for the target, which is measured on 512-token records."""
+    toks, lps = _step_arrays(b)
+    ids = _step_ids(b)
+    w = wal.open(d / "scan_steps")
+    base = np.zeros(b, np.int64)
+    frame_bytes = len(codec.encode_step_record(0, [t.encode() for t in ids], base.tobytes(), 0, toks.tobytes(), lps.tobytes()))
+    n_steps = mb * (1 << 20) // frame_bytes
+    for i in range(n_steps):
+        w.append_step(ids, base + i, toks, lps, 0)
+        if i % 64 == 63:
+            w.commit()
+    w.close()
+    speeds: dict[str, list[float]] = {"cold": [], "warm": []}
+    for r in range(rounds):
+        for mode in (("cold", "warm") if r % 2 == 0 else ("warm", "cold")):
+            if mode == "cold":
+                drop_page_cache(d / "scan_steps")
+            t0 = time.perf_counter()
+            w = wal.open(d / "scan_steps")
+            dt = time.perf_counter() - t0
+            size = w.recovery.bytes
+            if w.stats()["live_tokens"] != n_steps * b:
+                raise RuntimeError("recovery scan of steps: the reopened log does not hold what was written")
+            w.close()
+            speeds[mode].append(size / dt / 1e6)
+    return {"log_bytes": size, "records": n_steps, "trajectories": b,
+            "cold_mb_s_runs": [round(s, 1) for s in speeds["cold"]], "cold_mb_s": round(statistics.median(speeds["cold"]), 1),
+            "mb_s_runs": [round(s, 1) for s in speeds["warm"]], "mb_s": round(statistics.median(speeds["warm"]), 1)}
+
+
 def _fresh(fn, root: Path, b: int, seconds: float) -> float:
     """One measurement in its own empty directory, removed afterwards. Sharing one log across modes and
     rounds made later rounds open a WAL holding every earlier mode's records (~10^5 live records from
@@ -458,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(timeout=60)
         result["recovery_scan"] = recovery_scan(root, args.scan_mb, args.rounds)
         say(f"recovery scan: {result['recovery_scan']['cold_mb_s']} MB/s cold, {result['recovery_scan']['mb_s']} MB/s warm")
+        result["recovery_scan_steps"] = recovery_scan_steps(root, max(1, args.scan_mb // 4), args.rounds)
+        say(f"recovery scan of STEP records (B=512): {result['recovery_scan_steps']['cold_mb_s']} MB/s cold, "
+            f"{result['recovery_scan_steps']['mb_s']} MB/s warm")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     c512, c64 = result["configs"]["b512"], result["configs"]["b64"]

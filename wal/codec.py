@@ -12,7 +12,8 @@ Frame on disk::
     ENV_RESULT  payload = u64 seq | u16 id_len | u32 data_len | id | response
     ENV_RELEASE payload = u16 id_len | id
 
-All integers little-endian. CRC32C is google_crc32c (hardware-accelerated where the CPU has it).
+All integers little-endian. CRC32C from the crc32c package (hardware-accelerated where the CPU has it; it takes
+any buffer, so recovery checks frames in place in the segment it read).
 
 The first frame of each flush (the batch one group commit writes and syncs) stores
 crc32c(body) XOR FLUSH_MARK instead of crc32c(body): recovery can then tell a frame written by a later
@@ -26,7 +27,7 @@ import sys
 from array import array
 from typing import Iterator
 
-import google_crc32c
+import crc32c as _crc32c
 import numpy as np
 
 from wal.types import (
@@ -64,7 +65,7 @@ SEGMENT_MAGIC = b"PTWALSG1"
 SEGMENT_HEAD = struct.Struct("<8sQI")  # magic, base lsn, crc32c(magic + base)
 SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
 
-crc32c = google_crc32c.value
+crc32c = _crc32c.crc32c
 FLUSH_MARK = 0x5F4C5553  # XORed into the stored checksum of a flush's first frame
 _I32_MAX = (1 << 31) - 1
 _I64_MAX = (1 << 63) - 1
@@ -227,8 +228,10 @@ def encode(record: Record, lsn: int | None = None, mark: int = 0) -> bytes:
     raise CodecError(f"not a record: {record!r}")
 
 
-def decode_body(body: bytes) -> Record:
-    """Decode a checksum-verified body; raises CodecError when its inner lengths do not add up."""
+def decode_body(body: bytes, ids_cache: list | None = None) -> Record:
+    """Decode a checksum-verified body (bytes, or a read-only memoryview of a segment read whole); raises
+    CodecError when its inner lengths do not add up. Token and log-prob payloads are zero-copy views of
+    `body`; ids and environment payloads are copied out. `ids_cache`: see _decode_step."""
     if len(body) < BODY.size:
         raise CodecError("body shorter than its header")
     lsn, kind = BODY.unpack_from(body, 0)
@@ -240,30 +243,33 @@ def decode_body(body: bytes) -> Record:
             tok_end = off + id_len + n * TOKEN_BYTES
             if tok_end + n * LOGPROB_BYTES != len(body):
                 raise CodecError("tokens record length mismatch")
-            traj = body[off:off + id_len].decode("utf-8")
+            traj = str(body[off:off + id_len], "utf-8")
             view = memoryview(body)  # zero-copy slices; each record's views pin only its own body
             return TokensRecord(lsn, traj, start, version, view[off + id_len:tok_end], view[tok_end:])
         if kind == STEP:
-            return _decode_step(body, lsn, off)
+            return _decode_step(body, lsn, off, ids_cache)
         if kind in (FINALIZE, ENV_RELEASE):
             (id_len,) = ID_HEAD.unpack_from(body, off)
             if off + ID_HEAD.size + id_len != len(body):
                 raise CodecError("finalize/release record length mismatch")
-            return (FinalizeRecord if kind == FINALIZE else EnvReleaseRecord)(lsn, body[off + ID_HEAD.size:].decode("utf-8"))
+            return (FinalizeRecord if kind == FINALIZE else EnvReleaseRecord)(lsn, str(body[off + ID_HEAD.size:], "utf-8"))
         if kind in (ENV_INVOKE, ENV_RESULT):
             seq, id_len, data_len = ENV_HEAD.unpack_from(body, off)
             off += ENV_HEAD.size
             if off + id_len + data_len != len(body):
                 raise CodecError("environment record length mismatch")
-            sid = body[off:off + id_len].decode("utf-8")
-            data = body[off + id_len:]
+            sid = str(body[off:off + id_len], "utf-8")
+            data = bytes(body[off + id_len:])
             return (EnvInvokeRecord if kind == ENV_INVOKE else EnvResultRecord)(lsn, sid, seq, data)
     except (struct.error, UnicodeDecodeError) as exc:
         raise CodecError(f"malformed body: {exc}") from None
     raise CodecError(f"unknown record type {kind}")
 
 
-def _decode_step(body: bytes, lsn: int, off: int) -> StepRecord:
+def _decode_step(body: bytes, lsn: int, off: int, ids_cache: list | None = None) -> StepRecord:
+    """`ids_cache`: [lengths bytes, ids bytes, ids tuple] of the last STEP record a scan decoded. A run of
+    steps over the same trajectories carries the same id bytes in every record: they are then checked and
+    decoded once, and the records share one tuple of ids (recovery's replay relies on that identity)."""
     version, n = STEP_HEAD.unpack_from(body, off)
     off += STEP_HEAD.size
     starts_at = off + 2 * n
@@ -272,22 +278,33 @@ def _decode_step(body: bytes, lsn: int, off: int) -> StepRecord:
     ids_at = lp_at + LOGPROB_BYTES * n
     if ids_at > len(body):
         raise CodecError("step record length mismatch")
-    lens, starts = array("H"), array("q")
-    lens.frombytes(body[off:starts_at])
+    starts = array("q")
     starts.frombytes(body[starts_at:tok_at])
     if not _LITTLE:
-        lens.byteswap()
         starts.byteswap()
-    if ids_at + sum(lens) != len(body) or (n and min(starts) < 0):
+    if n and min(starts) < 0:
         raise CodecError("step record length mismatch")
-    ids, at = [], ids_at
-    for k in lens:
-        ids.append(body[at:at + k].decode("utf-8"))
-        at += k
-    if len(set(ids)) != n:
-        raise CodecError("step record names a trajectory twice")
+    lens_raw, ids_raw = bytes(body[off:starts_at]), bytes(body[ids_at:])
+    if ids_cache is not None and ids_cache[1] == ids_raw and ids_cache[0] == lens_raw:
+        ids = ids_cache[2]
+    else:
+        lens = array("H")
+        lens.frombytes(lens_raw)
+        if not _LITTLE:
+            lens.byteswap()
+        if sum(lens) != len(ids_raw):
+            raise CodecError("step record length mismatch")
+        names, at = [], 0
+        for k in lens:
+            names.append(str(ids_raw[at:at + k], "utf-8"))
+            at += k
+        if len(set(names)) != n:
+            raise CodecError("step record names a trajectory twice")
+        ids = tuple(names)
+        if ids_cache is not None:
+            ids_cache[:] = [lens_raw, ids_raw, ids]
     view = memoryview(body)
-    return StepRecord(lsn, version, tuple(ids), tuple(starts), view[tok_at:lp_at], view[lp_at:ids_at])
+    return StepRecord(lsn, version, ids, tuple(starts), view[tok_at:lp_at], view[lp_at:ids_at])
 
 
 def decode(frame: bytes) -> Record:
@@ -336,6 +353,7 @@ def scan_frames(buf, off: int, expect_lsn: int, on_record) -> tuple[int, int]:
     count = 0
     unpack_frame, unpack_body = FRAME.unpack_from, BODY.unpack_from
     head = FRAME.size
+    ids_cache: list = [None, None, None]
     while off + head <= n:
         body_len, crc = unpack_frame(buf, off)
         end = off + head + body_len
@@ -346,7 +364,7 @@ def scan_frames(buf, off: int, expect_lsn: int, on_record) -> tuple[int, int]:
         if (c != crc and c ^ FLUSH_MARK != crc) or unpack_body(body, 0)[0] != expect_lsn:
             break
         try:
-            rec = decode_body(body)
+            rec = decode_body(body, ids_cache)
         except CodecError:
             break
         on_record(rec)

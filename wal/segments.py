@@ -153,7 +153,7 @@ def nonzero_end(buf, off: int) -> int:
             return off
         return off + int(np.flatnonzero(arr)[-1]) + 1
     finally:
-        del arr  # release the buffer export so an mmap can be closed
+        del arr
 
 
 @dataclass
@@ -175,12 +175,27 @@ class ScanReport:
 
 
 def _read(path: Path):
-    """The segment's bytes: memory-mapped (read-only, no up-front copy) when non-empty."""
+    """The segment's bytes: a read-only memoryview of the file memory-mapped (no copy; records decoded from it
+    are views into it, which the replay copies into the index), or b"" when it is empty."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             return b""
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    if hasattr(mmap, "MADV_SEQUENTIAL"):  # read ahead aggressively and drop pages behind (cold recovery)
+        mm.madvise(mmap.MADV_SEQUENTIAL)
+    return memoryview(mm)
+
+
+def _release(buf) -> None:
+    """Unmap a segment read by _read now, unless records still refer to it (then when they go)."""
+    if isinstance(buf, memoryview):
+        mm = buf.obj
+        buf.release()
+        try:
+            mm.close()
+        except BufferError:
+            pass
 
 
 def _read_ahead(path: Path) -> None:
@@ -237,8 +252,7 @@ def scan(directory: Path, on_record: Callable[[Record], None], *, mutate: bool, 
             if not _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, repair):
                 break
         finally:
-            if isinstance(buf, mmap.mmap):
-                buf.close()
+            _release(buf)
     return report
 
 

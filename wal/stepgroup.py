@@ -34,7 +34,7 @@ _TILED_MIN_COLUMNS = 64  # narrower groups transpose in one copy
 
 class StepGroup:
     __slots__ = ("ids", "trajs", "n", "capacity", "rows", "base_B", "next_B", "next_starts", "tok_RB", "lp_RB",
-                 "_tok_mv", "_lp_mv", "_ones_B", "version_R", "lsn_R", "lens", "ids_blob")
+                 "_tok_mv", "_lp_mv", "_ones_B", "version_R", "lsn_R", "lens", "ids_blob", "key")
 
     def __init__(self, ids: list[str], trajs: list, idbs: list[bytes], reuse: StepGroup | None = None) -> None:
         """`reuse`: a dissolved group whose row arrays this one may take over (when their shape fits: no
@@ -61,6 +61,7 @@ class StepGroup:
         if sys.byteorder != "little":
             lens.byteswap()
         self.lens, self.ids_blob = lens.tobytes(), b"".join(idbs)  # what every STEP record of the group carries
+        self.key = None  # recovery: the tuple of ids its decoded records share (an identity check per record)
 
     def matches(self, traj_ids, starts: bytes) -> bool:
         """Whether a step (ids, packed positions) is the group's next row."""

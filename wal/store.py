@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +33,8 @@ _TOKENS, _LOGPROBS, _POSITIONS = np.dtype(codec.TOKEN_DTYPE), np.dtype(codec.LOG
 class Store:
     def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
         self.config = config or WALConfig()
-        self.tokens = TokenIndex(lambda: self.log.durable_lsn)
+        self._replayed_lsn = -1  # during replay every record read is durable (the log does not exist yet)
+        self.tokens = TokenIndex(lambda: self._replayed_lsn)
         self.env = EnvIndex()
         self._deferred: dict[str, list[TokensRecord]] = {}
         self.ignored_records = 0
@@ -51,6 +53,7 @@ class Store:
         except BaseException:
             self.log.close()
             raise
+        self.tokens.durable_lsn = lambda: self.log.durable_lsn
         self.mutex = self.log.mutex
         # Whether a finalize or release since the last retention pass may have made records dead: a roll
         # with nothing dead (and the sealed bytes within retain_bytes) then costs no segment read. After
@@ -69,8 +72,11 @@ class Store:
     # --- recovery ---
     def _replay(self, rec: Record) -> None:
         if type(rec) is StepRecord:
-            for item in rec.items():
-                self._replay(item)
+            self._replayed_lsn = rec.lsn
+            if not self._replay_step(rec):
+                for item in rec.items():
+                    self._replay(item)
+                self._start_replay_group(rec)
             return
         if type(rec) is TokensRecord:
             traj = self.tokens.trajs.get(rec.traj_id)
@@ -82,7 +88,8 @@ class Store:
                 return
             traj = self.tokens.trajs.get(rec.traj_id)
             if rec.start > (traj.length if traj else 0):
-                self._deferred.setdefault(rec.traj_id, []).append(rec)  # a compacted copy arrives after later records
+                # a compacted copy arrives after later records; copied out of the segment's buffer, which it would pin
+                self._deferred.setdefault(rec.traj_id, []).append(rec._replace(tokens=bytes(rec.tokens), logprobs=bytes(rec.logprobs)))
                 return
             self._replay_tokens(rec)
         elif isinstance(rec, FinalizeRecord):
@@ -94,6 +101,31 @@ class Store:
             self.env.replay("result", rec.sandbox_id, rec.seq, rec.response, rec.lsn)
         elif isinstance(rec, EnvReleaseRecord):
             self.env.release(rec.sandbox_id)
+
+    def _replay_step(self, rec: StepRecord) -> bool:
+        """Replay a STEP record that is the next row of the index's step group (the same trajectories, each at
+        its next position), as the append path logs it: one row copy instead of one record per trajectory.
+        False (nothing changed) for anything else."""
+        g = self.tokens.group
+        if g is None or g.n != len(rec.traj_ids):
+            return False
+        if array("q", rec.starts).tobytes() != g.next_starts or (rec.traj_ids is not g.key and list(rec.traj_ids) != g.ids):
+            return False
+        g.key = rec.traj_ids  # the scan's records share this tuple while the ids stay the same
+        if g.rows >= g.capacity:
+            self.tokens.start_group(g.ids, g.trajs)  # the full group dissolves into its trajectories first
+            g = self.tokens.group
+            g.key = rec.traj_ids
+        g.add_row(rec.tokens, rec.logprobs, rec.policy_version, rec.lsn)
+        return True
+
+    def _start_replay_group(self, rec: StepRecord) -> None:
+        """After a STEP record replayed item by item: when each of its trajectories now ends right after its item
+        (none was finalized, deferred or out of order), the next records over them take _replay_step."""
+        trajs = self.tokens.trajs
+        objs = [trajs.get(t) for t in rec.traj_ids]
+        if None not in objs and all(t.length == s + 1 for t, s in zip(objs, rec.starts)):
+            self.tokens.start_group(list(rec.traj_ids), objs).key = rec.traj_ids
 
     def _replay_tokens(self, rec: TokensRecord) -> None:
         try:

@@ -22,6 +22,7 @@ def test_bench_wal_smoke(tmp_path):
                                               "inproc_step_lists", "raw_prealloc_step_fdatasync", "raw_prealloc_fdatasync",
                                               "floor_1byte_fdatasync"))
     assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0 < out["recovery_scan"]["cold_mb_s"]
+    assert out["recovery_scan_steps"]["records"] > 0 and out["recovery_scan_steps"]["mb_s"] > 0
     assert all(out["grpc"][f"b512_clients{n}"]["server_cpu_us_per_step"] > 0 for n in (1, 4))
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
 

@@ -166,3 +166,69 @@ def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path):
     w = wal.open(tmp_path)
     assert w.tokens("t5") == [35 + p for p in range(5)]
     w.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_replayed_step_runs_equal_item_by_item_appends(tmp_path, monkeypatch, seed):
+    """Recovery replays a run of STEP records over the same trajectories as rows of a step group (one row copy
+    per record). Reopened logs (small segments: runs cross segment ends, retention copies steps forward without
+    finalized items) read exactly as item-by-item appends do, and the row path is taken."""
+    from wal.store import Store
+
+    monkeypatch.setattr(stepgroup, "MAX_ROWS", 50)  # full groups restart during replay
+    rows = [0]
+    replay_step = Store._replay_step
+
+    def counting(self, rec):
+        took = replay_step(self, rec)
+        rows[0] += took
+        return took
+
+    monkeypatch.setattr(Store, "_replay_step", counting)
+    rng = np.random.default_rng(seed)
+    # retain_bytes under two segments: sealed segments are compacted whatever their live fraction, so whole
+    # live STEP records are copied forward (the same ids at old positions: repeats on replay)
+    cfg = wal.WALConfig(segment_bytes=64 << 10, preallocate_bytes=16 << 10, compact_live_fraction=0.6,
+                        retain_bytes=96 << 10)
+    a, b = wal.open(tmp_path / "a", cfg), wal.open(tmp_path / "b", cfg)
+    pool = [f"traj-{k}" for k in range(60)]
+    ids, done, version = pool[:16], set(), 0
+    for step in range(400):
+        u = rng.random()
+        if u < 0.03:  # a request finished (finalized) or others joined
+            gone = [t for t in ids if rng.random() < 0.15]
+            a.finalize_many(gone)
+            b.finalize_many(gone)
+            done.update(gone)
+            ids = [t for t in ids if t not in done] + [t for t in pool if t not in ids and t not in done and rng.random() < 0.2]
+            ids = ids or [t for t in pool if t not in done][:2]
+        if u > 0.98:
+            version += 1
+        known = b._store.tokens.trajs
+        pos = [known[t].length if t in known else 0 for t in ids]
+        toks = rng.integers(0, 50_000, len(ids), dtype=np.int32)
+        lps = -rng.random(len(ids))
+        a.append_step(ids, np.asarray(pos, np.int64), toks, lps, version)
+        for k, t in enumerate(ids):
+            b.append(t, pos[k], toks[k:k + 1], lps[k:k + 1], version)
+        a.commit()
+        b.commit()
+        if step % 150 == 149:  # reopen in the middle: replay, then go on appending after it
+            a.close()
+            b.close()
+            a, b = wal.open(tmp_path / "a", cfg), wal.open(tmp_path / "b", cfg)
+            _same(a, b, [t for t in pool if t not in done])
+    live = [t for t in pool if t not in done]
+    a.close()
+    b.close()
+    a, b = wal.open(tmp_path / "a", cfg), wal.open(tmp_path / "b", cfg)
+    _same(a, b, live)
+    for t in done:
+        with pytest.raises(wal.FinalizedError):
+            a.tokens(t)
+    segs = a._store.log.segment_list()
+    assert len(segs) > 1 or segs[0][0] > 0, f"the run should span several segments (some reclaimed): {a.stats()}"
+    assert rows[0] > 100, f"only {rows[0]} STEP records replayed as group rows over three reopens"
+    assert a.stats()["live_tokens"] == b.stats()["live_tokens"] > 0
+    a.close()
+    b.close()
