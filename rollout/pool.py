@@ -218,8 +218,11 @@ class RolloutPool:
     # -- the run loop -------------------------------------------------------------------------
     def run(self, requests: list[Request], observer=None) -> PoolResult:
         """Roll out `requests`; `observer(pool)`, when given, is called in every round once each worker has
-        its call running (a drill injects its faults from there, through the hooks below)."""
+        its call running (a drill injects its faults from there, through the hooks below). An observer with a
+        `steps_per_call` attribute caps the decode steps of each call at it: faults fire between rounds, and
+        rounds of a few steps leave requests in flight to hit."""
         t0 = time.monotonic()
+        self._steps_per_call = min(self.cfg.steps_per_call, getattr(observer, "steps_per_call", None) or self.cfg.steps_per_call)
         for i, r in enumerate(requests):
             self.slots[i % len(self.slots)].backlog.append(r)
         self._want = {r.traj_id for r in requests}
@@ -280,7 +283,7 @@ class RolloutPool:
         new = [s.backlog.popleft() for _ in range(min(room, len(s.backlog)))]
         s.inside.update(new)
         s.unconfirmed, s.acks = s.acks, []
-        s.ref = s.actor.run.remote(new, s.unconfirmed, self.cfg.steps_per_call)
+        s.ref = s.actor.run.remote(new, s.unconfirmed, self._steps_per_call)
 
     def _settle_all(self, s: _Slot) -> None:
         """Collect the outstanding call of `s` and wait for a replacement it needed: `s` is up and idle."""

@@ -162,3 +162,28 @@ def test_a_worker_that_dies_starting_is_a_bounded_replacement(tmp_path):
         assert "replacements reached the bound" in str(exc) and "worker 0" in str(exc), exc
     else:
         raise AssertionError("a pool whose workers cannot start must fail")
+
+
+def test_an_observer_caps_the_decode_steps_of_each_call(tmp_path, tiny_ckpt):
+    """Fault injection needs rounds of a few steps: an observer's `steps_per_call` caps the pool's own, so a
+    short batch that one long call would finish still has requests in flight to hit; tokens are unchanged."""
+    reqs = _requests(4)
+
+    class Rounds:
+        def __init__(self, steps_per_call=None):
+            self.steps_per_call, self.rounds = steps_per_call, 0
+
+        def __call__(self, pool):
+            self.rounds += 1
+
+    pool = RolloutPool(tiny_ckpt, tmp_path / "run", PoolConfig(workers=1, steps_per_call=64), ENGINE, use_tools=False)
+    try:
+        long, short = Rounds(), Rounds(steps_per_call=2)
+        first = pool.run(reqs[:2], long)
+        second = pool.run(reqs[2:], short)
+    finally:
+        pool.close()
+    ref = _reference(tmp_path, tiny_ckpt, reqs)
+    assert {t: f.tokens for t, f in {**first.finished, **second.finished}.items()} == {t: f.tokens for t, f in ref.items()}
+    longest = max(len(ref[r.traj_id].tokens) for r in reqs[2:]) - min(len(r.prompt) for r in reqs[2:])
+    assert long.rounds <= 2 and short.rounds >= longest // 2 > 2, (long.rounds, short.rounds, longest)
