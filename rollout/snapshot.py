@@ -1,7 +1,9 @@
 """KV snapshots: a request's KV cache as safetensors with a validating header, in a snapshot store.
 
 Header (safetensors `__metadata__`): trajectory id, token count, hash of the covered token ids,
-policy version, model fingerprint, dtype, crc32c of the tensor bytes. A snapshot is trusted only
+policy version, model fingerprint, dtype, crc32c of the tensor bytes, and crc32c of the tensor index
+(names, dtypes, shapes, offsets: a bit flipped there names or shapes a tensor wrongly while every other
+field still checks out). A snapshot is trusted only
 when every field matches the WAL and the current weights; anything else is a `SnapshotRejected`
 whose reason the caller counts before falling back to re-prefill from the WAL.
 
@@ -25,7 +27,7 @@ from safetensors.torch import save as st_save
 from core import fileio
 from core.atomic import write_atomic
 
-FORMAT = "postrain-kv-2"
+FORMAT = "postrain-kv-3"  # 3: the tensor index is checksummed
 CHUNK_BYTES = 8 << 20  # the payload is checksummed per chunk, so a restore verifies chunks in parallel
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -56,6 +58,18 @@ def tokens_hash(tokens: list[int]) -> str:
     return hashlib.blake2b(struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).hexdigest()
 
 
+def _index_crc(tensors: dict) -> str:
+    """crc32c of the tensor index (name -> dtype, shape, offsets) in one canonical form."""
+    canon = json.dumps(sorted((k, v[0], list(v[1]), list(v[2])) for k, v in tensors.items()), separators=(",", ":"))
+    return f"{crc32c.crc32c(canon.encode()):08x}"
+
+
+def _index(head: bytes) -> dict:
+    doc = json.loads(head)
+    doc.pop("__metadata__", None)
+    return {k: (v["dtype"], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in doc.items()}
+
+
 def _chunk_crcs(payload: bytes, chunk: int) -> list[int]:
     view = memoryview(payload)
     return [crc32c.crc32c(view[i:i + chunk]) for i in range(0, len(payload), chunk)]
@@ -71,10 +85,11 @@ def encode(traj_id: str, tokens: list[int], tensors: dict[str, torch.Tensor], po
             "tokens_hash": tokens_hash(tokens), "policy_version": str(policy_version),
             "fingerprint": fingerprint, "dtype": dtypes.pop() if dtypes else "", "chunk_bytes": str(CHUNK_BYTES)}
     tensors = {k: v.contiguous() for k, v in tensors.items()}
-    first = st_save(tensors, metadata={**meta, "checksum": ""})
+    first = st_save(tensors, metadata={**meta, "checksum": "", "index_crc": ""})
     (n,) = struct.unpack("<Q", first[:8])
-    crcs = _chunk_crcs(first[8 + n:], CHUNK_BYTES)  # the payload does not depend on the metadata
-    data = st_save(tensors, metadata={**meta, "checksum": ",".join(f"{c:08x}" for c in crcs)})
+    crcs = _chunk_crcs(first[8 + n:], CHUNK_BYTES)  # neither the payload nor its offsets depend on the metadata
+    data = st_save(tensors, metadata={**meta, "checksum": ",".join(f"{c:08x}" for c in crcs),
+                                      "index_crc": _index_crc(_index(first[8:8 + n]))})
     (n2,) = struct.unpack("<Q", data[:8])
     if len(data) - 8 - n2 != len(first) - 8 - n:
         raise AssertionError("snapshot payload changed between the two encodings")
@@ -89,6 +104,8 @@ def _parse_header(head: bytes, n: int) -> SnapshotHeader:
             raise ValueError(f"format {meta.get('format')!r}")
         crcs = tuple(int(c, 16) for c in meta["checksum"].split(",") if c)
         tensors = {k: (v["dtype"], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in doc.items()}
+        if _index_crc(tensors) != meta["index_crc"]:
+            raise ValueError("tensor index checksum mismatch")
         return SnapshotHeader(meta["traj_id"], int(meta["token_count"]), meta["tokens_hash"],
                               int(meta["policy_version"]), meta["fingerprint"], meta["dtype"],
                               int(meta["chunk_bytes"]), crcs, tensors, 8 + n)
