@@ -1,7 +1,8 @@
 """`postrain bench drill`: every drill of `postrain drill --all` at its default fault counts, plus the
 cost of faults to GRPO: the median iteration time of `postrain grpo` on arith with one fault per
 iteration (`--chaos`, loop.chaos_faults=1) against the same run without faults (shipped loop config
-with pool.steps_per_call=2 on both sides, a tiny policy after a short SFT, the same iterations).
+with pool.steps_per_call=2 and engine.max_batch=32 on both sides, a tiny policy after a short SFT, the same
+iterations).
 
 Prints one JSON object: the drill report (`chaos.runner`), `grpo_chaos_vs_calm`, `meta` and `targets`.
 """
@@ -37,10 +38,12 @@ def grpo_chaos_vs_calm(work: Path, iterations: int, sft_steps: int, seed: int) -
     base = work / "base"
     _postrain("sft", "--out", str(base), "--domain", "arith", "--steps", str(sft_steps), "--quiet",
               *(a for kv in TINY for a in ("--set", kv)))
-    # steps_per_call=2 on both sides: arith completions are a few tokens, so longer calls finish their
-    # requests and leave nothing in flight to preempt
+    # steps_per_call=2 and max_batch=32 on both sides, what the injector caps the chaos side at: arith
+    # completions are a few tokens, so longer calls over a wider batch finish their requests and leave nothing
+    # in flight to preempt; the calm side decodes the same shape
     common = ["grpo", "--domain", "arith", "--init", str(base), "--iterations", str(iterations), "--quiet",
-              "--set", "loop.eval_every=0", "--set", "eval.n=16", "--set", "pool.steps_per_call=2"]
+              "--set", "loop.eval_every=0", "--set", "eval.n=16", "--set", "pool.steps_per_call=2",
+              "--set", "engine.max_batch=32"]
     runs = {}
     for name, extra in (("calm", []), ("chaos", ["--chaos", str(seed), "--set", "loop.chaos_faults=1"])):
         out = work / name

@@ -56,9 +56,11 @@ class PoolInjector:
     wait_for_spare: bool = False
     spare_waits: int = 0  # rounds a kill waited for a warm spare
     kill_node: Callable[[str], None] | None = None  # node_loss: kills the Ray node with this id
-    # decode steps per worker call while injecting (the pool takes the smaller of this and its own): a fault
-    # fires between rounds, and long calls can finish a short batch before any fault finds a request in flight
+    # decode steps per worker call and requests a worker holds at once while injecting (the pool takes the
+    # smaller of each and its own): a fault fires between rounds, and long calls over a wide batch can finish
+    # a short batch before any fault finds a request in flight
     steps_per_call: int = 2
+    max_in_flight: int = 32
 
     def __post_init__(self):
         self._pending = deque(self.faults)

@@ -218,11 +218,14 @@ class RolloutPool:
     # -- the run loop -------------------------------------------------------------------------
     def run(self, requests: list[Request], observer=None) -> PoolResult:
         """Roll out `requests`; `observer(pool)`, when given, is called in every round once each worker has
-        its call running (a drill injects its faults from there, through the hooks below). An observer with a
-        `steps_per_call` attribute caps the decode steps of each call at it: faults fire between rounds, and
-        rounds of a few steps leave requests in flight to hit."""
+        its call running (a drill injects its faults from there, through the hooks below). An observer's
+        `steps_per_call` and `max_in_flight` attributes, when set, cap the decode steps of each call and the
+        requests a worker holds at once: faults fire between rounds, and a batch spread over rounds of a few
+        steps leaves requests in flight to hit."""
         t0 = time.monotonic()
         self._steps_per_call = min(self.cfg.steps_per_call, getattr(observer, "steps_per_call", None) or self.cfg.steps_per_call)
+        batch = self.slots[0].spec.engine.max_batch
+        self._max_in_flight = min(batch, getattr(observer, "max_in_flight", None) or batch)
         for i, r in enumerate(requests):
             self.slots[i % len(self.slots)].backlog.append(r)
         self._want = {r.traj_id for r in requests}
@@ -279,7 +282,7 @@ class RolloutPool:
             self._settle_all(s)
 
     def _call(self, s: _Slot) -> None:
-        room = self.slots[0].spec.engine.max_batch - len(s.inside)
+        room = self._max_in_flight - len(s.inside)
         new = [s.backlog.popleft() for _ in range(min(room, len(s.backlog)))]
         s.inside.update(new)
         s.unconfirmed, s.acks = s.acks, []

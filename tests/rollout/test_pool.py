@@ -164,26 +164,29 @@ def test_a_worker_that_dies_starting_is_a_bounded_replacement(tmp_path):
         raise AssertionError("a pool whose workers cannot start must fail")
 
 
-def test_an_observer_caps_the_decode_steps_of_each_call(tmp_path, tiny_ckpt):
-    """Fault injection needs rounds of a few steps: an observer's `steps_per_call` caps the pool's own, so a
-    short batch that one long call would finish still has requests in flight to hit; tokens are unchanged."""
-    reqs = _requests(4)
+def test_an_observer_caps_the_steps_per_call_and_the_requests_in_flight(tmp_path, tiny_ckpt):
+    """Fault injection needs rounds of a few steps: an observer's `steps_per_call` and `max_in_flight` cap the
+    pool's own, so a short batch that one long, wide call would finish still has requests in flight to hit;
+    the tokens are those of the reference decode."""
+    reqs = _requests(6)
 
     class Rounds:
-        def __init__(self, steps_per_call=None):
-            self.steps_per_call, self.rounds = steps_per_call, 0
+        def __init__(self, steps_per_call=None, max_in_flight=None):
+            self.steps_per_call, self.max_in_flight, self.rounds = steps_per_call, max_in_flight, 0
 
         def __call__(self, pool):
             self.rounds += 1
 
-    pool = RolloutPool(tiny_ckpt, tmp_path / "run", PoolConfig(workers=1, steps_per_call=64), ENGINE, use_tools=False)
+    engine = EngineConfig(max_batch=8, strict=True)
+    pool = RolloutPool(tiny_ckpt, tmp_path / "run", PoolConfig(workers=1, steps_per_call=64), engine, use_tools=False)
     try:
-        long, short = Rounds(), Rounds(steps_per_call=2)
-        first = pool.run(reqs[:2], long)
-        second = pool.run(reqs[2:], short)
+        wide, short, narrow = Rounds(), Rounds(steps_per_call=2), Rounds(steps_per_call=2, max_in_flight=1)
+        runs = [pool.run(reqs[:2], wide), pool.run(reqs[2:4], short), pool.run(reqs[4:], narrow)]
     finally:
         pool.close()
     ref = _reference(tmp_path, tiny_ckpt, reqs)
-    assert {t: f.tokens for t, f in {**first.finished, **second.finished}.items()} == {t: f.tokens for t, f in ref.items()}
-    longest = max(len(ref[r.traj_id].tokens) for r in reqs[2:]) - min(len(r.prompt) for r in reqs[2:])
-    assert long.rounds <= 2 and short.rounds >= longest // 2 > 2, (long.rounds, short.rounds, longest)
+    assert {t: f.tokens for r in runs for t, f in r.finished.items()} == {t: f.tokens for t, f in ref.items()}
+    new = {r.traj_id: len(ref[r.traj_id].tokens) - len(r.prompt) for r in reqs}  # tokens drawn (char tokenizer)
+    assert wide.rounds <= 2, wide.rounds
+    assert short.rounds >= max(new[r.traj_id] for r in reqs[2:4]) // 2 > 2, short.rounds
+    assert narrow.rounds >= sum(new[r.traj_id] for r in reqs[4:]) // 2 > short.rounds // 2 + 1, narrow.rounds
