@@ -3,9 +3,10 @@
 Ours: `learner.train_step.Learner` — sequences packed end to end; packs that fit the micro-batch budget
 together run as one micro-batch; on GPU each decoder layer is compiled (torch.compile: fused RMSNorm,
 RoPE, SwiGLU, residuals) and attention is torch's flash-attention varlen kernel over the pack's
-sequences (`learner/packed_attention.py`); the LM head is fused with the log-softmax in row chunks
-(no [N, V] fp32 tensor; one compiled kernel per chunk for the fp32 reductions over bf16 logits),
-GRPO loss, fused AdamW; fp32 master weights under bf16 autocast.
+sequences (`learner/packed_attention.py`); the LM head is fused with the log-softmax and forms its
+softmax gradient in the forward (`learner/logprob_head.py`: one Triton pass writes onehot − p over the
+bf16 logits, held to the backward, which is then one GEMM; no fp32 [N, V] tensor), GRPO loss, fused
+AdamW; fp32 master weights under bf16 autocast.
 Naive: the same sequences, same micro-batch grouping, padded to the longest of each micro-batch,
 plain HF forward (SDPA) with an attention mask, full logits, fp32 log_softmax over the vocabulary, the
 plain PyTorch reference loss (`padded_reference_loss`), AdamW. Both take the same optimizer steps on the
@@ -242,6 +243,9 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
         res.setdefault("ours", dict(attention=learner.attention or f"hf:{hf_attn}", compiled_layers=compile_layers,
                                     merge_micro_batches=learner.merge_micro_batches,
                                     logprob_chunk_rows=cfg.learner.logprob_chunk_rows, micro_batch_tokens=budget,
+                                    lm_head=("softmax gradient formed in the forward, held to the backward "
+                                             f"(up to {learner.core.kept_head_bytes / 2**30:.1f} GiB)"
+                                             if learner.core.kept_head_bytes else "chunks recomputed in the backward"),
                                     cuda_alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if cuda else None))
         naive_model = copy.deepcopy(naive_base)
         opt, _ = build_optimizer(naive_model, cfg.optim)

@@ -6,6 +6,7 @@
     sft.py           SFT on domain demonstrations (completion-only loss, warm-up + cosine, clipping)
     evaluate.py      pass@1 on a domain's eval split, tool calls answered in-process
     grpo_loss.py     GRPO loss (clipping, dual-clip, aggregations, k1/k2/k3 KL, entropy) and fused log-prob head
+    logprob_head.py  log-prob head that forms its softmax gradient in the forward (CUDA, Triton): one GEMM backward
     advantages.py    group-relative advantages (std-norm and leave-one-out optional, zero-variance groups)
     staleness.py     token staleness histogram and bound (drop or mask)
     grpo_config.py   GRPO configs (loss, advantages, staleness, optimiser, learner group)

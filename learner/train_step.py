@@ -22,6 +22,7 @@ import torch
 
 from learner.grpo_config import GRPOConfig
 from learner.grpo_loss import LossInputs, grpo_loss, logprobs_from_hidden, seq_ids_from_cu_seqlens
+from learner.logprob_head import kept_bytes, logprobs_kept_grad
 from learner.optim import Optimised
 from learner.packed_attention import pick_backend, use_packed_attention
 from learner.staleness import apply_staleness_bound
@@ -223,11 +224,15 @@ class LogprobModel(torch.nn.Module):
 
     A module (not a function) so DDP can wrap it and see the forward it must synchronise."""
 
-    def __init__(self, model, chunk_rows: int = 2048, attention: str | None = None):
+    def __init__(self, model, chunk_rows: int = 2048, attention: str | None = None, kept_head_bytes: int = 0):
+        """`kept_head_bytes`: when a forward that needs gradients would hold at most this many bytes of
+        softmax gradient (2·V per row in bf16, `learner.logprob_head`), the LM head forms it in the
+        forward and the backward needs one GEMM; else (and at 0) the head recomputes chunk by chunk."""
         super().__init__()
         self.model = model
         self.chunk_rows = chunk_rows
         self.attention = attention  # a learner.packed_attention backend; None: the model's own
+        self.kept_head_bytes = kept_head_bytes
 
     def hidden(self, input_ids_N, position_ids_N, cu_seqlens_S1=None, max_seqlen: int | None = None):
         """[N, H] last-layer hidden states after the final norm of a packed batch."""
@@ -251,8 +256,16 @@ class LogprobModel(torch.nn.Module):
             hidden_NH = hidden_NH / temperature  # (h / T) W^T = logits / T
         # Position t-1 predicts token t; a sequence's first token has no context and gets 0.
         with_entropy = with_entropy or entropy_grad
-        logp, ent = logprobs_from_hidden(hidden_NH[:-1], weight_VH, input_ids_N[1:], self.chunk_rows,
-                                         with_entropy=with_entropy)
+        rows, (vocab, _) = hidden_NH.shape[0] - 1, weight_VH.shape
+        dev = hidden_NH.device.type
+        compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden_NH.dtype
+        if (self.kept_head_bytes and not entropy_grad and torch.is_grad_enabled() and dev == "cuda"
+                and compute_dtype in (torch.bfloat16, torch.float16)
+                and kept_bytes(rows, vocab, compute_dtype) <= self.kept_head_bytes):
+            logp, ent = logprobs_kept_grad(hidden_NH[:-1], weight_VH, input_ids_N[1:], compute_dtype, with_entropy)
+        else:
+            logp, ent = logprobs_from_hidden(hidden_NH[:-1], weight_VH, input_ids_N[1:], self.chunk_rows,
+                                             with_entropy=with_entropy)
         zero = logp.new_zeros(1)
         starts_N = position_ids_N == 0
         logp_N = torch.cat([zero, logp]).masked_fill(starts_N, 0.0)
@@ -309,12 +322,14 @@ class Learner(Optimised):
 
     def __init__(self, model: torch.nn.Module, cfg: GRPOConfig, collectives: Collectives | None = None,
                  ref_model: torch.nn.Module | None = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
-                 attention: str = "auto", compile: bool | None = None, merge_micro_batches: bool | None = None):
+                 attention: str = "auto", compile: bool | None = None, merge_micro_batches: bool | None = None,
+                 kept_head_grad: bool = True):
         """`attention`: 'auto' (flash varlen on CUDA in bf16, per-sequence SDPA on CUDA in fp32, the model's own on CPU), 'hf' (the model's own), or a
         learner.packed_attention backend. `compile`: torch.compile each decoder layer; None = on CUDA.
         `merge_micro_batches`: consecutive packs that fit `micro_batch_tokens` together run as one
         micro-batch (fewer, larger launches; the update is the same, the normalisers being global);
-        None = on CUDA."""
+        None = on CUDA. `kept_head_grad`: on CUDA, the LM head forms its softmax gradient in the forward
+        (`learner.logprob_head`) when it fits an eighth of the GPU's memory."""
         self.cfg = cfg
         self.device = pick_device(cfg.learner.device)
         self.model = model.to(self.device)
@@ -334,7 +349,10 @@ class Learner(Optimised):
                 self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.core = LogprobModel(self.model, cfg.learner.logprob_chunk_rows, self.attention)
+        # The LM head's softmax gradient kept from forward to backward when it fits an eighth of the GPU.
+        kept = (torch.cuda.get_device_properties(self.device).total_memory // 8
+                if self.device.type == "cuda" and kept_head_grad else 0)
+        self.core = LogprobModel(self.model, cfg.learner.logprob_chunk_rows, self.attention, kept)
         self.net = wrap(self.core) if wrap else self.core  # DDP when ranks > 1
         self.coll = collectives or Collectives(1)
         self.ref = (LogprobModel(ref_model.to(self.device).eval(), cfg.learner.logprob_chunk_rows, self.attention)

@@ -8,7 +8,10 @@ import pytest
 import torch
 
 import learner.grpo_loss as gl
+import learner.train_step as train_step
 from learner.config import PolicyConfig
+from learner.grpo_loss import logprobs_from_hidden
+from learner.logprob_head import logprobs_kept_grad
 from learner.packed_attention import packed_attention_forward
 from learner.policy import build_policy
 from learner.train_step import Learner, synthetic_packed_batch
@@ -32,20 +35,26 @@ def test_varlen_attention_equals_per_sequence_sdpa():
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def test_fast_step_matches_plain_step(monkeypatch):
+@pytest.mark.parametrize("entropy_coef", [0.01, 0.0])  # entropy with a gradient: the recompute head; without: kept
+def test_fast_step_matches_plain_step(monkeypatch, entropy_coef):
     base, tok = build_policy(SMALL)
     vocab = len(tok)
     packs = [synthetic_packed_batch(vocab, lengths, seed=i) for i, lengths in enumerate(([60, 90, 31], [100, 77]))]
-    cfg = config(loss={"aggregation": "seq-mean-token-mean", "entropy_coef": 0.01},
+    cfg = config(loss={"aggregation": "seq-mean-token-mean", "entropy_coef": entropy_coef},
                  learner={"device": "cuda", "bf16": True, "logprob_chunk_rows": 64, "micro_batch_tokens": 512})
+    kept_calls = []
+    real_kept = train_step.logprobs_kept_grad
+    monkeypatch.setattr(train_step, "logprobs_kept_grad", lambda *a, **k: kept_calls.append(1) or real_kept(*a, **k))
     out = []
     for fast in (False, True):
         monkeypatch.setitem(gl._FUSED_ENABLED, "cuda", fast)
         model = copy.deepcopy(base)
-        learner = Learner(model, cfg, attention="auto" if fast else "hf", compile=fast, merge_micro_batches=fast)
+        learner = Learner(model, cfg, attention="auto" if fast else "hf", compile=fast, merge_micro_batches=fast,
+                          kept_head_grad=fast)
         if fast:
             assert learner.attention in ("varlen", "sdpa_docs")
         m = learner.accumulate_gradients(packs)
+        assert len(kept_calls) == (1 if fast and entropy_coef == 0 else 0)
         grad = torch.cat([p.grad.flatten().float() for p in model.parameters()])
         out.append((m, grad))
     (m0, g0), (m1, g1) = out
@@ -87,3 +96,41 @@ def test_varlen_call_on_fp32_tensors_falls_back_to_per_sequence_sdpa():
                                        postrain_bounds=bounds, **kw)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_kept_head_matches_fp64_and_the_recompute_head(with_entropy):
+    """log-probs, entropy and both gradients of the kept-gradient head against float64 (bf16 tolerances)
+    and against the recompute head on the same inputs; every output row written."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, hid, vocab = 1500, 64, 9001  # the vocabulary spans several blocks with a ragged tail
+    h = torch.randn(n, hid, device="cuda", generator=g)
+    w = torch.randn(vocab, hid, device="cuda", generator=g) * 0.3
+    labels = torch.randint(0, vocab, (n,), device="cuda", generator=g)
+    g_N = torch.randn(n, device="cuda", generator=g)
+    results = []
+    for fn in (lambda hh, ww: logprobs_kept_grad(hh, ww, labels, torch.bfloat16, with_entropy),
+               lambda hh, ww: logprobs_from_hidden(hh, ww, labels, 512, with_entropy)):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp, ent = fn(hh, ww)
+        (logp * g_N).sum().backward()
+        assert torch.isfinite(logp).all() and (ent is None or torch.isfinite(ent).all())
+        results.append((logp, ent, hh.grad, ww.grad))
+    hd, wd = h.double().requires_grad_(), w.double().requires_grad_()
+    logp_ref_NV = torch.log_softmax(hd.to(torch.bfloat16).double() @ wd.to(torch.bfloat16).double().t(), -1)
+    logp_ref = logp_ref_NV.gather(1, labels[:, None]).squeeze(1)
+    (logp_ref * g_N.double()).sum().backward()
+    ent_ref = -(logp_ref_NV.exp() * logp_ref_NV).sum(-1)
+
+    def rel(a, b):
+        return float((a.double() - b).norm() / b.norm())
+
+    kept, recompute = results
+    assert rel(kept[0], logp_ref.detach()) < 2e-3
+    assert rel(kept[2], hd.grad) < 2e-2 and rel(kept[3], wd.grad) < 2e-2
+    if with_entropy:
+        assert rel(kept[1], ent_ref.detach()) < 2e-3
+        assert rel(kept[1], recompute[1]) < 2e-3
+    for a, b in zip(kept[::2] + kept[3:], recompute[::2] + recompute[3:]):
+        assert rel(a, b.double()) < 2e-2
