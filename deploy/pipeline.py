@@ -73,6 +73,12 @@ class Pipeline:
         bad = [d for d in cfg.pipeline.domains if d not in known]
         if bad:
             raise UserError(f"pipeline: unknown domain(s) {bad}; known: {', '.join(known)}")
+        bad = [d for d in cfg.specialists.shares if d not in cfg.pipeline.domains]
+        if bad:
+            raise UserError(f"pipeline: specialists.shares names domain(s) {bad} outside pipeline.domains "
+                            f"{cfg.pipeline.domains}")
+        if any(v <= 0 for v in cfg.specialists.shares.values()):
+            raise UserError(f"pipeline: specialists.shares must be > 0 (got {cfg.specialists.shares})")
         from deploy.grpo_config import load_for_domain
         from deploy.job_config import JobConfig
         from deploy.opd_config import OPDLoopConfig
@@ -266,13 +272,13 @@ class Pipeline:
         for dom in self.cfg.pipeline.domains:
             if dom not in train:
                 self._say(f"specialists: {dom}: the base is at {base_eval[dom]:.3f} >= {c.skip_at}; it is its own teacher")
-        budget = c.budget_s * min(c.parallel, max(1, len(train))) / max(1, len(train))
+        budgets = c.budgets_s(train)
         todo = [dom for dom in train if not self._specialist_done(d / dom)]
         running: list[tuple[str, subprocess.Popen]] = []
         for i, dom in enumerate(todo):
             while len(running) >= c.parallel:
                 running = self._reap(running)
-            running.append((dom, self._start_specialist(d / dom, dom, base, budget, train.index(dom))))
+            running.append((dom, self._start_specialist(d / dom, dom, base, budgets[dom], train.index(dom))))
         while running:
             running = self._reap(running)
         outputs = {dom: (d / dom / "final" if dom in train else base) for dom in self.cfg.pipeline.domains}

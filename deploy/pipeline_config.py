@@ -38,6 +38,17 @@ class SpecialistsStage(Config):
     skip_at: float = Field(0.9, ge=0.0, le=1.01, description="a domain whose base is at or above this greedy pass@1 "
                            "keeps the base as its teacher")
     parallel: int = Field(1, ge=1, le=64, description="specialists trained at once")
+    shares: dict[str, float] = Field(default_factory=dict, description="relative share of the stage budget per "
+                                     "domain (1 when not named): a domain whose iterations cost more (tool calls, "
+                                     "longer completions) can get more of the time")
+
+    def budgets_s(self, train: list[str]) -> dict[str, float]:
+        """Each training domain's time budget: the stage budget split by the shares of the domains that train,
+        `parallel` of them running at once, none longer than the stage."""
+        weight = {d: self.shares.get(d, 1.0) for d in train}
+        total = sum(weight.values()) or 1.0
+        lanes = min(self.parallel, len(train))
+        return {d: min(self.budget_s, self.budget_s * lanes * w / total) for d, w in weight.items()}
 
 
 class MergeStage(Config):

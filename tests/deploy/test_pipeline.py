@@ -128,6 +128,8 @@ def test_a_changed_opd_setting_reruns_merge_and_evaluate_only(tmp_path, calm):
     (["distill.x=1"], "unknown key 'distill'"),
     (["pipeline.budget_min=1"], "do not fit pipeline.budget_min"),
     (["merge.config=nope.toml"], "[merge] config 'nope.toml' not found"),
+    (['specialists.shares={"nope": 2}'], "specialists.shares names domain(s) ['nope'] outside pipeline.domains"),
+    (['specialists.shares={"calc": 0}'], "specialists.shares must be > 0"),
 ])
 def test_bad_config_fails_before_any_stage(tmp_path, sets, needle):
     res = subprocess.run([sys.executable, "-m", "deploy.cli", "pipeline", "--runs", str(tmp_path), "--name", "x",
@@ -177,3 +179,14 @@ def test_report_regenerates_from_a_run_directory(calm, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "deploy.cli", "report", str(tmp_path)], capture_output=True, text=True,
                          timeout=60, env=ENV)
     assert bad.returncode == 2 and "not a pipeline run" in bad.stderr
+
+
+def test_the_specialists_budget_is_split_by_shares():
+    from deploy.pipeline_config import SpecialistsStage
+
+    st = SpecialistsStage(budget_s=1200, shares={"calc": 2})
+    assert st.budgets_s(["arith", "reverse", "calc"]) == {"arith": 300, "reverse": 300, "calc": 600}
+    assert st.budgets_s(["calc"]) == {"calc": 1200}  # the only one training takes the whole stage
+    assert st.budgets_s(["arith", "reverse"]) == {"arith": 600, "reverse": 600}
+    both = SpecialistsStage(budget_s=1200, parallel=2, shares={"calc": 2})
+    assert both.budgets_s(["arith", "calc"]) == {"arith": 800, "calc": 1200}  # none longer than the stage
