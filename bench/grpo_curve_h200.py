@@ -134,7 +134,8 @@ def score(spec: dict, write=None) -> dict:
         if row["path"] == "base":
             p = res["base_pass_at_1"]
         else:
-            missing, unexpected = model.load_state_dict(load_file(row["path"], device=device), strict=False)
+            state = {k.replace("_orig_mod.", ""): v for k, v in load_file(row["path"], device=device).items()}
+            missing, unexpected = model.load_state_dict(state, strict=False)  # tied lm_head may be left out
             if unexpected or set(missing) - {"lm_head.weight"}:
                 raise RuntimeError(f"{row['path']}: missing {missing}, unexpected {unexpected}")
             p = greedy_pass_at_1(model, tok, DOMAIN, spec["eval"])
