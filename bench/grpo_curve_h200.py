@@ -21,7 +21,9 @@ on one GPU, from the same short SFT base.
    (greedy, 256 eval prompts): the same code on the same files for both.
 
 JSON: both curves, pass@1 at each matched mark, their mean, the final, the gain per minute, each side's
-iterations, optimizer steps, time to its first update and sampled reward per iteration.
+iterations, optimizer steps, time to its first update and sampled reward per iteration. On an H200 at
+the defaults a run takes about 6 minutes (base ~25 s, each side ~135 s, scoring ~40 s): give its
+command a limit of 7 minutes or more, and a fresh `--work`.
 
     python -m bench.grpo_curve_h200 [--json] [--tiny] [--budget-s 120] [--every-s 20] [--lr 7e-6]
         [--work DIR] [--out FILE] [--commit SHA]
@@ -183,7 +185,8 @@ def _side_row(res: dict, wall_s: float, updates_per_iteration: str) -> dict:
     ends = res["step_end_s"]
     return {"iterations": res["iterations"], "optimizer_steps": res["optimizer_steps"], "update": updates_per_iteration,
             "first_update_end_s": ends[0] if ends else None, "last_update_end_s": ends[-1] if ends else None,
-            "sampled_reward_by_iteration": res["sampled_reward_by_iteration"], "process_wall_s": round(wall_s, 1)}
+            "update_end_s": ends, "sampled_reward_by_iteration": res["sampled_reward_by_iteration"],
+            "process_wall_s": round(wall_s, 1)} | {k: res[k] for k in ("iteration_s", "rollout_s") if k in res}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,6 +215,9 @@ def run(args) -> int:
 
     cuda = not args.tiny
     work = Path(args.work or tempfile.mkdtemp(prefix="grpo_curve_"))
+    if work.exists() and any(work.iterdir()):  # a side's run directory must start empty
+        print(f"grpo-curve: --work {work} is not empty; give a fresh directory", file=sys.stderr)
+        return 2
     work.mkdir(parents=True, exist_ok=True)
     model, sft = (TINY_MODEL, SFT_TINY) if args.tiny else (GPU_MODEL, SFT_GPU)
     init = work / "base"
@@ -241,9 +247,11 @@ def run(args) -> int:
         try:
             if side == "ours":
                 out, wall = _ours(ours_spec, work, timeout)
-                out = out | {"iterations": len(out["iterations"]), "optimizer_steps": sum(
-                    r["optimizer_steps"] for r in out["iterations"]), "sampled_reward_by_iteration": [
-                    r["reward_mean"] for r in out["iterations"]]}
+                rows = out["iterations"]
+                out |= {"iterations": len(rows), "optimizer_steps": sum(r["optimizer_steps"] for r in rows),
+                        "sampled_reward_by_iteration": [r["reward_mean"] for r in rows],
+                        "iteration_s": [round(r["iteration_s"], 3) for r in rows],
+                        "rollout_s": [round(r["rollout_s"], 3) for r in rows]}
             else:
                 out, wall = _part("trl", {"cuda": cuda, "init": str(init), "config": str(work / "config.json"),
                                           "out": str(work / "trl"), "budget_s": args.budget_s, "every_s": args.every_s,

@@ -111,6 +111,12 @@ def test_ours_stops_at_the_wall_budget_and_saves_its_snapshots(tmp_path):
                for r in res["snapshots"])
 
 
+def test_a_used_work_directory_is_refused(tmp_path, capsys):
+    (tmp_path / "ours").mkdir()
+    assert gc.main(["--tiny", "--work", str(tmp_path)]) == 2
+    assert "not empty" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_the_benchmark_at_a_toy_shape_on_the_cpu(tmp_path):
     pytest.importorskip("trl")
