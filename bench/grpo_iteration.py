@@ -120,24 +120,27 @@ def plan_budget(prompt_tokens: list[list[int]], shape: dict) -> int:
     return budget
 
 
+def device_sets(shape: dict, cuda: bool, longest_prompt: int) -> list[str]:
+    """`--set` overrides that place one in-process rollout worker and learner on this device: every
+    request of an iteration in one engine wave, and on a GPU the settings below."""
+    sets = [f"engine.max_batch={shape['prompts'] * shape['group']}",
+            f"engine.max_len={longest_prompt + shape['max_new_tokens'] + 8}"]
+    if cuda:  # the learner's GPU micro-batch budget (bench/grpo.py's), the engine in bf16 on the GPU, CUDA-graph decode
+        # in chunks of DECODE_CHUNK steps fed back on the device (compiled forward), one WAL commit per chunk
+        return sets + ["engine.device=cuda", "engine.dtype=bfloat16", "engine.cuda_graphs=true", "learner.device=cuda",
+                       f"engine.decode_chunk={DECODE_CHUNK}", "engine.compile_decode=true",
+                       f"pool.steps_per_call={2 * DECODE_CHUNK}", f"pool.commit_group_steps={DECODE_CHUNK}",
+                       "learner.micro_batch_tokens=32768", "learner.logprob_chunk_rows=4096", "learner.threads=4"]
+    return sets + ["learner.device=cpu", "learner.threads=2"]
+
+
 def loop_sets(shape: dict, cuda: bool, prompt_tokens: list[list[int]]) -> list[str]:
     """`--set` overrides of the shipped `configs/grpo_loop.toml` for this shape on this device."""
-    longest = max(max(lens) for lens in prompt_tokens)
-    sets = [f"loop.prompts_per_iteration={shape['prompts']}", f"loop.group_size={shape['group']}",
+    return [f"loop.prompts_per_iteration={shape['prompts']}", f"loop.group_size={shape['group']}",
             f"loop.minibatches={shape['minibatches']}", f"sampling.max_new_tokens={shape['max_new_tokens']}",
             f"loop.tokens_per_rank={plan_budget(prompt_tokens, shape)}",
             "advantages.filter_zero_variance=false", "loop.async_rollouts=false",
-            f"engine.max_batch={shape['prompts'] * shape['group']}",
-            f"engine.max_len={longest + shape['max_new_tokens'] + 8}"]
-    if cuda:  # the learner's GPU micro-batch budget (bench/grpo.py's), the engine in bf16 on the GPU, CUDA-graph decode
-        # in chunks of DECODE_CHUNK steps fed back on the device (compiled forward), one WAL commit per chunk
-        sets += ["engine.device=cuda", "engine.dtype=bfloat16", "engine.cuda_graphs=true", "learner.device=cuda",
-                 f"engine.decode_chunk={DECODE_CHUNK}", "engine.compile_decode=true",
-                 f"pool.steps_per_call={2 * DECODE_CHUNK}", f"pool.commit_group_steps={DECODE_CHUNK}",
-                 "learner.micro_batch_tokens=32768", "learner.logprob_chunk_rows=4096", "learner.threads=4"]
-    else:
-        sets += ["learner.device=cpu", "learner.threads=2"]
-    return sets
+            ] + device_sets(shape, cuda, max(max(lens) for lens in prompt_tokens))
 
 
 def prompt_lengths(tok, shape: dict, iterations: int) -> list[list[int]]:

@@ -15,7 +15,10 @@ the end of each iteration. `bench/grpo_iteration.py` measures it as ours against
 SPEC: `init` (HF checkpoint), `domain`, `config` (a loop config file) and `sets` (overrides), `out` (a
 fresh run directory), `iterations`, `ignore_eos` (every completion max_new_tokens long), `config_out`
 (the resolved config as JSON), `times_out` (the times, rewritten after every iteration; null = resolve
-and write the config only).
+and write the config only). A learning curve adds `budget_s`, `snapshot_every_s`, `clock_start_unix`
+(when the caller launched this process) and `snapshots_out`: the run ends once `budget_s` has passed on
+that clock, and the policy as of every `snapshot_every_s` mark (`bench.wall_snapshots`) is saved there
+afterwards and listed in `times_out` under `snapshots`.
 """
 from __future__ import annotations
 
@@ -34,9 +37,10 @@ def _sync() -> None:
 
 
 def run_stages(cfg, domain: str, init: str | Path, out: str | Path, iterations: int, ignore_eos: bool = False,
-               progress=None) -> dict:
+               progress=None, after_iteration=None) -> dict:
     """`iterations` iterations; per iteration its time, rollout time, optimizer steps and completion
-    lengths (`progress(result so far)` after each)."""
+    lengths (`progress(result so far)` after each). `after_iteration(weights)` (the published policy's
+    live tensors) returning True ends the run early."""
     import dataplane
     from deploy.grpo_loop import GRPOLoop, _IterationSink, batch_name
     from learner.group import LearnerGroup
@@ -88,6 +92,8 @@ def run_stages(cfg, domain: str, init: str | Path, out: str | Path, iterations: 
                   flush=True)
             if progress is not None:
                 progress({"times_s": [r["iteration_s"] for r in rows], "iterations": rows})
+            if after_iteration is not None and after_iteration(weights):
+                break
     finally:
         worker.close()
         loop.group.close()
@@ -110,7 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         def write(partial: dict) -> None:
             Path(spec["times_out"]).write_text(json.dumps(partial))
 
-        write(run_stages(cfg, spec["domain"], spec["init"], spec["out"], spec["iterations"], spec["ignore_eos"], write))
+        snaps = None
+        if spec.get("budget_s"):
+            from bench.wall_snapshots import WallSnapshots
+
+            snaps = WallSnapshots(spec["clock_start_unix"], spec["budget_s"], spec["snapshot_every_s"], sync=_sync)
+        res = run_stages(cfg, spec["domain"], spec["init"], spec["out"], spec["iterations"], spec["ignore_eos"], write,
+                         snaps.after_step if snaps else None)
+        if snaps:  # written after the budget, outside it
+            res |= {"snapshots": snaps.write(spec["snapshots_out"]), "step_end_s": snaps.step_end_s}
+        write(res)
     return 0
 
 
