@@ -11,6 +11,8 @@ running the tool again.
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rewards import protocol
@@ -32,44 +34,89 @@ def sandbox_id_of(traj_id: str) -> str:
 
 
 class ToolGateway:
-    """The sandbox service as the agent loop sees it: `answer(traj, call_no, call) -> (text, replayed)`."""
+    """The sandbox service as the agent loop sees it: `answer(traj, call_no, call) -> (text, replayed)`, and
+    `answer_many` for the calls that one decode step paused on, sent together over `fan_out` connections
+    (one client per thread), so that the service's environment log commits them in shared fsyncs."""
 
-    def __init__(self, target: str, token: str, timeout_s: float = 30.0):
-        from rewards.sandbox.client import SandboxClient
-        # a busy service sheds calls with RESOURCE_EXHAUSTED: wait it out (backoff doubling to 2 s, ~15 s in all)
-        # before the episode sees a tool error
-        self.client = SandboxClient(target, token, timeout_s=timeout_s, retries=12)
+    def __init__(self, target: str, token: str, timeout_s: float = 30.0, fan_out: int = 8):
+        self.target, self.token, self.timeout_s, self.fan_out = target, token, timeout_s, fan_out
+        self._local = threading.local()
+        self._clients: list = []
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _client(self):
+        client = getattr(self._local, "client", None)
+        if client is None:
+            from rewards.sandbox.client import SandboxClient
+            # a busy service sheds calls with RESOURCE_EXHAUSTED: wait it out (backoff doubling to 2 s, ~15 s
+            # in all) before the episode sees a tool error
+            client = self._local.client = SandboxClient(self.target, self.token, timeout_s=self.timeout_s, retries=12)
+            with self._lock:
+                self._clients.append(client)
+        return client
 
     def answer(self, traj_id: str, call_no: int, call: protocol.Call) -> tuple[str, bool]:
         from rewards.sandbox.client import InvocationAborted, SandboxRefused
         try:
-            res = self.client.execute(sandbox_id_of(traj_id), call_no, call.tool, call.args)
+            res = self._client().execute(sandbox_id_of(traj_id), call_no, call.tool, call.args)
         except InvocationAborted:  # invoked before a sandbox crash, outcome unknown: never run again
             return protocol.ERROR_PREFIX + "tool outcome unknown (sandbox crashed mid-call)", True
         except SandboxRefused as exc:  # bad tool / args: deterministic, so a replay gets the same answer
             return protocol.ERROR_PREFIX + f"refused ({exc.code.name})", False
         return res.text(), res.replayed
 
+    def answer_many(self, asks: list[tuple[str, int, protocol.Call]]) -> list[tuple[str, bool]]:
+        """`answer` of each (traj_id, call_no, call), in order; distinct sandboxes, so order among them is free."""
+        if len(asks) <= 1 or self.fan_out <= 1:
+            return [self.answer(*a) for a in asks]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.fan_out, thread_name_prefix="tool-gateway")
+        return list(self._pool.map(lambda a: self.answer(*a), asks))
+
     def close(self) -> None:
-        self.client.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        with self._lock:
+            for client in self._clients:
+                client.close()
+            self._clients.clear()
 
 
 def answer_turn(engine, wal, gateway: ToolGateway | None, traj_id: str, prompt_len: int, max_calls: int) -> TurnOutcome:
     """The engine paused `traj_id` on a stop string: answer its pending tool call, or end the episode."""
-    seq = engine.seqs[traj_id]
-    text = engine.tok.decode(seq.tokens[prompt_len:], skip_special_tokens=True)
-    call = protocol.pending_call(text)
-    if gateway is None or call is None:
-        return TurnOutcome(False, reason="no valid tool call" if gateway else "stop string")
-    call_no = len(protocol.steps(text))
-    if call_no >= max_calls:
-        return TurnOutcome(False, reason=f"tool call budget ({max_calls}) spent")
-    output, replayed = gateway.answer(traj_id, call_no, call)
-    result_ids = engine.tok.encode(protocol.format_result(output))
-    if not engine.fits(traj_id, len(result_ids)):  # the tool ran (and is logged) but its answer does not fit
-        return TurnOutcome(False, not replayed, replayed, reason="context")
-    start = len(seq.tokens)
-    wal.append(traj_id, start, result_ids, [ENV_LOGPROB] * len(result_ids), engine.version)
-    wal.commit()
-    engine.append_env(traj_id, result_ids)
-    return TurnOutcome(True, not replayed, replayed)
+    return answer_turns(engine, wal, gateway, [(traj_id, prompt_len)], max_calls)[traj_id]
+
+
+def answer_turns(engine, wal, gateway: ToolGateway | None, paused: list[tuple[str, int]],
+                 max_calls: int) -> dict[str, TurnOutcome]:
+    """`answer_turn` for every (traj_id, prompt_len) the engine paused: their calls go to the service
+    together, and their results enter the token WAL with one commit before any of them decodes on."""
+    out: dict[str, TurnOutcome] = {}
+    asks: list[tuple[str, int, protocol.Call]] = []
+    for traj_id, prompt_len in paused:
+        text = engine.tok.decode(engine.seqs[traj_id].tokens[prompt_len:], skip_special_tokens=True)
+        call = protocol.pending_call(text)
+        if gateway is None or call is None:
+            out[traj_id] = TurnOutcome(False, reason="no valid tool call" if gateway else "stop string")
+            continue
+        call_no = len(protocol.steps(text))
+        if call_no >= max_calls:
+            out[traj_id] = TurnOutcome(False, reason=f"tool call budget ({max_calls}) spent")
+            continue
+        asks.append((traj_id, call_no, call))
+    appended = []
+    for (traj_id, _, _), (output, replayed) in zip(asks, gateway.answer_many(asks) if asks else []):
+        result_ids = engine.tok.encode(protocol.format_result(output))
+        if not engine.fits(traj_id, len(result_ids)):  # the tool ran (and is logged) but its answer does not fit
+            out[traj_id] = TurnOutcome(False, not replayed, replayed, reason="context")
+            continue
+        start = len(engine.seqs[traj_id].tokens)
+        wal.append(traj_id, start, result_ids, [ENV_LOGPROB] * len(result_ids), engine.version)
+        appended.append((traj_id, result_ids, replayed))
+    if appended:
+        wal.commit()
+    for traj_id, result_ids, replayed in appended:
+        engine.append_env(traj_id, result_ids)
+        out[traj_id] = TurnOutcome(True, not replayed, replayed)
+    return out

@@ -169,12 +169,14 @@ class RolloutWorker:
 
     def _expose(self, durable: list) -> None:
         """Steps whose commit returned: stream their tokens, answer tool calls, finish trajectories."""
+        stops = []
         for draws, stopped in durable:
             self.counters["tokens_committed"] += len(draws)
             for d in draws:
                 self._emit(d.req_id, d.position, [d.token])
-            for seq in stopped:
-                self._on_stop(seq.req_id)
+            stops += [seq.req_id for seq in stopped]  # a stopped request draws no more: its order is kept
+        if stops:
+            self._on_stops(stops)
 
     def preempt(self) -> int:
         """Graceful stop: snapshot the KV of every in-flight request, release the WAL. Returns snapshots written."""
@@ -283,18 +285,29 @@ class RolloutWorker:
         return appended
 
     def _on_stop(self, traj: str) -> None:
-        seq = self.engine.seqs[traj]
-        while seq.state == "paused":
-            before = len(seq.tokens)
-            out = agent.answer_turn(self.engine, self.wal, self.tools, traj, self.prompt_len[traj], self.spec.max_tool_calls)
-            self.counters["tool_executed"] += out.executed
-            self.counters["tool_recorded"] += out.recorded
-            if len(seq.tokens) > before:
-                self._emit(traj, before, seq.tokens[before:])
-            if not out.continued:
-                seq.state, seq.reason = "done", out.reason or seq.reason
-        if seq.state == "done":
-            self._finish(traj)
+        self._on_stops([traj])
+
+    def _on_stops(self, trajs: list[str]) -> None:
+        """Requests the engine stopped: answer the tool calls of the paused ones together (one round to the
+        sandbox service, one WAL commit for their results), finish the ones that are done."""
+        seqs, trajs = self.engine.seqs, list(dict.fromkeys(trajs))
+        paused = [t for t in trajs if seqs[t].state == "paused"]
+        while paused:
+            before = {t: len(seqs[t].tokens) for t in paused}
+            outs = agent.answer_turns(self.engine, self.wal, self.tools, [(t, self.prompt_len[t]) for t in paused],
+                                      self.spec.max_tool_calls)
+            for t in paused:
+                out, seq = outs[t], seqs[t]
+                self.counters["tool_executed"] += out.executed
+                self.counters["tool_recorded"] += out.recorded
+                if len(seq.tokens) > before[t]:
+                    self._emit(t, before[t], seq.tokens[before[t]:])
+                if not out.continued:
+                    seq.state, seq.reason = "done", out.reason or seq.reason
+            paused = [t for t in paused if seqs[t].state == "paused"]
+        for t in trajs:
+            if seqs[t].state == "done":
+                self._finish(t)
 
     def _finish(self, traj: str) -> None:
         seq, req, eng = self.engine.seqs[traj], self.reqs[traj], self.engine

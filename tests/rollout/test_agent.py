@@ -1,0 +1,109 @@
+"""The agent loop's tool turns on a real engine, token WAL and sandbox service: the calls that one decode step
+paused on go to the service together and their results enter the WAL with one commit; each tool runs once."""
+import pytest
+
+import wal
+from rewards.sandbox.isolation import probe
+from rollout import agent
+from rollout.engine import Engine
+from rollout.sampling import SamplingParams
+from rollout.types import ENV_LOGPROB
+
+TOKEN = "agent-token"
+PARAMS = SamplingParams(max_new_tokens=40, stop=("</call>",))
+CALLS = [(37, 41), (123, 456), (7, 8), (99, 99), (12, 34), (500, 2)]
+
+
+class CountingWAL:
+    """The real token WAL, its commits counted."""
+
+    def __init__(self, log):
+        self.log, self.commits = log, 0
+
+    def commit(self):
+        self.commits += 1
+        return self.log.commit()
+
+    def __getattr__(self, name):
+        return getattr(self.log, name)
+
+
+@pytest.fixture
+def service(tmp_path):
+    from rewards.sandbox.config import SandboxConfig
+    from rewards.sandbox.server import SandboxServer
+
+    if probe() is not None:
+        pytest.skip(f"sandbox isolation unavailable: {probe()}")
+    srv = SandboxServer(SandboxConfig(log_dir=tmp_path / "svc", max_concurrent=4), token=TOKEN)
+    yield srv
+    srv.stop()
+
+
+def _paused(tiny_policy, log):
+    """An engine holding one trajectory per call, each paused on its committed `</call>` (as a resume finds it)."""
+    model, tok = tiny_policy
+    eng = Engine(model, tok, max_batch=len(CALLS), strict=True)
+    plens = {}
+    for a, b in CALLS:
+        traj = f"calc-{a}x{b}"
+        p, c = tok.encode(f"mul {a}*{b}="), tok.encode(f"<call>calc: {a}*{b}</call>")
+        log.append(traj, 0, p, [ENV_LOGPROB] * len(p), 0)
+        log.append(traj, len(p), c, [-1.0] * len(c), 0)
+        eng.add(traj, p + c, [False] * len(p) + [True] * len(c), PARAMS)
+        assert eng.seqs[traj].state == "paused"
+        plens[traj] = len(p)
+    log.commit()
+    return eng, plens
+
+
+@pytest.mark.parametrize("fan_out", [1, 8])
+def test_the_calls_of_one_step_share_one_wal_commit_and_each_tool_runs_once(tmp_path, tiny_policy, service, fan_out):
+    log = CountingWAL(wal.open(tmp_path / "wal"))
+    eng, plens = _paused(tiny_policy, log)
+    gateway = agent.ToolGateway(service.target, TOKEN, fan_out=fan_out)
+    log.commits = 0
+    try:
+        out = agent.answer_turns(eng, log, gateway, list(plens.items()), max_calls=4)
+    finally:
+        gateway.close()
+    assert log.commits == 1  # every result durable with one commit, before any of them decodes on
+    tok = tiny_policy[1]
+    for a, b in CALLS:
+        traj = f"calc-{a}x{b}"
+        assert out[traj].continued and out[traj].executed and not out[traj].recorded, out[traj]
+        seq = eng.seqs[traj]
+        assert seq.state == "run"
+        assert tok.decode(seq.tokens[plens[traj]:]).endswith(f"</call><result>{a * b}</result>")
+        assert log.tokens(traj) == seq.tokens  # the engine decodes on from what the WAL holds
+    log.close()
+
+    # a worker that replays the same trajectories (after a crash) gets the recorded results: no tool runs twice
+    log2 = CountingWAL(wal.open(tmp_path / "wal2"))
+    eng2, plens2 = _paused(tiny_policy, log2)
+    gateway = agent.ToolGateway(service.target, TOKEN, fan_out=fan_out)
+    try:
+        again = agent.answer_turns(eng2, log2, gateway, list(plens2.items()), max_calls=4)
+    finally:
+        gateway.close()
+        log2.close()
+    assert all(o.continued and o.recorded and not o.executed for o in again.values()), again
+    assert {t: eng2.seqs[t].tokens for t in plens2} == {t: eng.seqs[t].tokens for t in plens}
+
+
+def test_a_step_with_a_call_over_budget_and_one_without_a_call_ends_those_and_answers_the_rest(
+        tmp_path, tiny_policy, service):
+    log = CountingWAL(wal.open(tmp_path / "wal"))
+    eng, plens = _paused(tiny_policy, log)
+    items = list(plens.items())
+    gateway = agent.ToolGateway(service.target, TOKEN)
+    try:
+        spent = agent.answer_turns(eng, log, gateway, items[:2], max_calls=1)  # call number 0 < 1: answered
+        over = agent.answer_turns(eng, log, gateway, items[2:3], max_calls=0)  # no call allowed
+        none = agent.answer_turns(eng, log, None, items[3:4], max_calls=4)  # no sandbox: the stop ends it
+    finally:
+        gateway.close()
+        log.close()
+    assert all(o.continued for o in spent.values())
+    assert [(o.continued, o.reason) for o in over.values()] == [(False, "tool call budget (0) spent")]
+    assert [(o.continued, o.reason) for o in none.values()] == [(False, "stop string")]
