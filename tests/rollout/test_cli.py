@@ -18,7 +18,8 @@ SETS = ["--set", "sampling.max_new_tokens=24", "--set", "engine.max_batch=2", "-
 
 
 def _report(p) -> dict:
-    return json.loads(p.stdout.strip().splitlines()[-1])  # the report is the last line (--json)
+    # the report is one line (--json); Ray's driver may print a killed worker's exit notice after it
+    return json.loads(next(line for line in reversed(p.stdout.splitlines()) if line.startswith("{")))
 
 
 def _cli(*args, check=True):
