@@ -83,15 +83,11 @@ class ToolGateway:
             self._clients.clear()
 
 
-def answer_turn(engine, wal, gateway: ToolGateway | None, traj_id: str, prompt_len: int, max_calls: int) -> TurnOutcome:
-    """The engine paused `traj_id` on a stop string: answer its pending tool call, or end the episode."""
-    return answer_turns(engine, wal, gateway, [(traj_id, prompt_len)], max_calls)[traj_id]
-
-
 def answer_turns(engine, wal, gateway: ToolGateway | None, paused: list[tuple[str, int]],
                  max_calls: int) -> dict[str, TurnOutcome]:
-    """`answer_turn` for every (traj_id, prompt_len) the engine paused: their calls go to the service
-    together, and their results enter the token WAL with one commit before any of them decodes on."""
+    """The engine paused each (traj_id, prompt_len) on a stop string: answer its pending tool call, or end its
+    episode. The calls go to the service together, and their results enter the token WAL with one commit
+    before any of them decodes on."""
     out: dict[str, TurnOutcome] = {}
     asks: list[tuple[str, int, protocol.Call]] = []
     for traj_id, prompt_len in paused:

@@ -281,11 +281,8 @@ class RolloutWorker:
                     self.counters[f"snapshot_{rejected}"] += 1
                 self.counters["prefill_tokens_on_resume"] += prefilled
         if eng.seqs[traj].state != "run":
-            self._on_stop(traj)
+            self._on_stops([traj])
         return appended
-
-    def _on_stop(self, traj: str) -> None:
-        self._on_stops([traj])
 
     def _on_stops(self, trajs: list[str]) -> None:
         """Requests the engine stopped: answer the tool calls of the paused ones together (one round to the
