@@ -58,6 +58,15 @@ class AsyncCommitter:
         self._queue.append((self._seq, self._payloads))
         self._draws, self._payloads = [], []
 
+    def call(self, fn) -> None:
+        """Run `fn()` on the commit thread, after the commits submitted before it (a finalize that must not
+        hold up decoding). `ready()` hands nothing back for it; `ready(wait_all=True)` waits for it and raises
+        its error."""
+        self.flush()
+        self._seq += 1
+        self._jobs.put((self._seq, fn))
+        self._queue.append((self._seq, []))
+
     def _append(self, draws, version: int) -> None:
         if draws:
             self.wal.append_step(list(map(_IDS, draws)), list(map(_POS, draws)), list(map(_TOK, draws)),
@@ -71,9 +80,12 @@ class AsyncCommitter:
             seq, steps = job
             err = None
             try:
-                for draws, version in steps:
-                    self._append(draws, version)
-                self.wal.commit()
+                if callable(steps):
+                    steps()
+                else:
+                    for draws, version in steps:
+                        self._append(draws, version)
+                    self.wal.commit()
             except BaseException as exc:  # handed to the caller by ready()
                 err = exc
             with self._cv:

@@ -116,6 +116,7 @@ class RolloutWorker:
         self.counters: Counter = Counter()
         self._stream: dict[str, tuple[int, list[int]]] = {}
         self._finished: list[Finished] = []
+        self._done: list[tuple[str, list[int], str]] = []  # stopped in this call, not finished yet: (id, tokens, reason)
         self._already_final: list[str] = []
         self._stopped = False
 
@@ -127,16 +128,20 @@ class RolloutWorker:
                 self.queue.append(r)
 
     def finalize(self, traj_ids: list[str]) -> None:
-        """The pool holds these finished trajectories: mark them finalized in the WAL, drop their snapshots."""
-        self.wal.finalize_many(traj_ids)  # an in-process log: one commit for all of them
+        """The pool holds these finished trajectories: drop their snapshots, and mark them finalized in the WAL
+        on the commit thread while decoding goes on (durable before this call's `run` returns: its last wait
+        covers it). A crash before that resumes them as complete, and the pool's put of them is idempotent."""
         for t in traj_ids:
             self.store.delete(t)
             self.reqs.pop(t, None)
             self.prompt_len.pop(t, None)
         if traj_ids:
-            self.wal.commit()
-            if isinstance(self.wal, wal_mod.TokenWAL):  # in-process: delete the sealed segments that just died now
-                self.wal.reclaim()                      # (a log service runs its own retention)
+            self.committer.call(lambda: self._finalize_log(list(traj_ids)))
+
+    def _finalize_log(self, traj_ids: list[str]) -> None:
+        self.wal.finalize_many(traj_ids)  # one commit for all of them
+        if isinstance(self.wal, wal_mod.TokenWAL):  # in-process: delete the sealed segments that just died now
+            self.wal.reclaim()                      # (a log service runs its own retention)
 
     def run(self, max_steps: int) -> WorkerReport:
         """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""
@@ -162,6 +167,7 @@ class RolloutWorker:
                 pending = eng.launch(min(chunk, max_steps - step))
         self._expose(self.committer.ready(wait_all=True))
         self._admit()
+        self._finish_done()
         report = WorkerReport(self._stream, self._finished, dict(self.counters),
                               idle=not self.engine.seqs and not self.queue, already_final=self._already_final)
         self._stream, self._finished, self._already_final = {}, [], []
@@ -234,20 +240,23 @@ class RolloutWorker:
         all of them (before any of their draws can be committed: those commits come later)."""
         appended = False
         while self.queue and self.engine.capacity:
-            appended |= self._start(self.queue.popleft())
+            batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.engine.capacity))]
+            held = self.wal.read_many([r.traj_id for r in batch])  # one round trip to a log service for the batch
+            for req in batch:
+                appended |= self._start(req, held[req.traj_id])
         if appended:
             self.wal.commit()
 
-    def _start(self, req: Request) -> bool:
-        """Admit one request; True when its prompt was appended to the WAL (the caller commits)."""
+    def _start(self, req: Request, held: wal_mod.Committed | None) -> bool:
+        """Admit one request, given what the WAL holds of it (None: finalized); True when its prompt was
+        appended to the WAL (the caller commits)."""
         eng, traj = self.engine, req.traj_id
         prompt = eng.tok.encode(req.prompt)
-        try:
-            committed = self.wal.tokens(traj)
-        except wal_mod.FinalizedError:  # finished and acknowledged earlier: its record lives in the data plane
+        if held is None:  # finished and acknowledged earlier: its record lives in the data plane
             self.reqs.pop(traj, None)
             self._already_final.append(traj)
             return False
+        committed = held.tokens
         appended = not committed
         if appended:
             self.wal.append(traj, 0, prompt, [ENV_LOGPROB] * len(prompt), eng.version)
@@ -255,7 +264,7 @@ class RolloutWorker:
         else:
             if committed[:len(prompt)] != prompt:
                 raise ValueError(f"trajectory {traj!r}: the WAL holds another prompt under this id")
-            sampled = [is_sampled(lp) for lp in self.wal.logprobs(traj)]
+            sampled = [is_sampled(lp) for lp in held.logprobs]
         self.prompt_len[traj] = len(prompt)
         kv, rejected = None, ""
         resumed = len(committed) > len(prompt)
@@ -303,21 +312,29 @@ class RolloutWorker:
                     seq.state, seq.reason = "done", out.reason or seq.reason
             paused = [t for t in paused if seqs[t].state == "paused"]
         for t in trajs:
-            if seqs[t].state == "done":
-                self._finish(t)
+            if seqs[t].state == "done":  # its slot is free at once; it is finished at the end of the call
+                self._done.append((t, list(seqs[t].tokens), seqs[t].reason))
+                self.engine.remove(t)
 
-    def _finish(self, traj: str) -> None:
-        seq, req, eng = self.engine.seqs[traj], self.reqs[traj], self.engine
-        p = self.prompt_len[traj]
-        completion = eng.tok.decode(seq.tokens[p:], skip_special_tokens=True)
-        reward, reason = rewards.domain(req.domain).verify(req.prompt, completion)
-        fin = Finished(traj, req.domain, req.prompt, list(seq.tokens), self.wal.logprobs(traj),
-                       self.wal.policy_versions(traj), p, completion, float(reward), reason, seq.reason)
-        if len(fin.logprobs) != len(fin.tokens):
-            raise AssertionError(f"{traj}: WAL holds {len(fin.logprobs)} tokens, engine {len(fin.tokens)}")
-        eng.remove(traj)
-        self._finished.append(fin)
-        self.counters["finished"] += 1
+    def _finish_done(self) -> None:
+        """Finish the trajectories that stopped during this call: their committed log-probs and versions
+        come from the WAL in one read (one round trip to a log service, however many stopped)."""
+        if not self._done:
+            return
+        held = self.wal.read_many([t for t, _, _ in self._done])
+        for traj, tokens, stop_reason in self._done:
+            req, p, got = self.reqs[traj], self.prompt_len[traj], held[traj]
+            if got is None:
+                raise AssertionError(f"{traj}: finalized in the WAL before the pool held it")
+            completion = self.engine.tok.decode(tokens[p:], skip_special_tokens=True)
+            reward, reason = rewards.domain(req.domain).verify(req.prompt, completion)
+            fin = Finished(traj, req.domain, req.prompt, tokens, got.logprobs, got.policy_versions, p, completion,
+                           float(reward), reason, stop_reason)
+            if len(fin.logprobs) != len(fin.tokens):
+                raise AssertionError(f"{traj}: WAL holds {len(fin.logprobs)} tokens, engine {len(fin.tokens)}")
+            self._finished.append(fin)
+            self.counters["finished"] += 1
+        self._done = []
 
 
 try:

@@ -40,9 +40,9 @@ from wal.errors import (
     WALError,
 )
 from wal.tokenwal import TokenWAL
-from wal.types import EnvEntry
+from wal.types import Committed, EnvEntry
 
-__all__ = ["open", "open_envlog", "connect", "TokenLog", "TokenWAL", "EnvLog", "EnvEntry", "WALConfig",
+__all__ = ["open", "open_envlog", "connect", "TokenLog", "TokenWAL", "EnvLog", "EnvEntry", "Committed", "WALConfig",
            "WALError", "GapError", "ConflictError", "FinalizedError", "CorruptionError", "LogClosedError",
            "LockedError", "RemoteError"]
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Sequence
 
+from wal.types import Committed
+
 
 class TokenLog(ABC):
     """Durable, token-granular log of sampled trajectories.
@@ -38,6 +40,19 @@ class TokenLog(ABC):
     @abstractmethod
     def policy_versions(self, traj_id: str) -> list[int]:
         """Policy version that sampled each committed token."""
+
+    def read_many(self, traj_ids: Sequence[str]) -> dict[str, Committed | None]:
+        """The committed tokens, log-probs and policy versions of each id (None for a finalized one): what
+        admitting or finishing a batch of trajectories reads. A log service answers it in one round trip."""
+        from wal.errors import FinalizedError
+
+        out: dict[str, Committed | None] = {}
+        for traj_id in traj_ids:
+            try:
+                out[traj_id] = Committed(self.tokens(traj_id), self.logprobs(traj_id), self.policy_versions(traj_id))
+            except FinalizedError:
+                out[traj_id] = None
+        return out
 
     def length(self, traj_id: str) -> int:
         """Number of committed tokens: where a resumed decode continues."""

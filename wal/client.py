@@ -35,6 +35,7 @@ from wal.errors import ConflictError, FinalizedError, GapError, LogClosedError, 
 from wal.grpc_poller import grpc
 from wal.server import ERROR_KEY, SERVICE
 from wal.store import _POSITIONS, _index
+from wal.types import Committed
 
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
           grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}
@@ -59,6 +60,10 @@ class AuthError(WALError, PermissionError):
     """The service refused the shared secret."""
 
 
+class _Unimplemented(RemoteError):
+    """The service predates the RPC (an older postrain)."""
+
+
 class _StreamEnded(Exception):
     """The append stream ended without an error status (a server going away): reconnect and resend."""
 
@@ -68,6 +73,8 @@ def _to_exception(err: grpc.RpcError) -> Exception:
     code, details = err.code(), err.details()
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthError(details)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return _Unimplemented(f"WAL service: {code.name}: {details}")
     if kind in _ERRORS:
         return _ERRORS[kind](details)
     return RemoteError(f"WAL service: {code.name}: {details}")
@@ -91,7 +98,9 @@ class RemoteWAL(TokenLog):
         ser = lambda m: m.SerializeToString()  # noqa: E731
         self._unary = {name: self._channel.unary_unary(f"/{SERVICE}/{name}", request_serializer=ser, response_deserializer=out.FromString)
                        for name, out in (("Read", pb.ReadReply), ("Trajectories", pb.TrajectoriesReply),
-                                         ("Finalize", pb.CommitReply), ("Stats", pb.StatsReply))}
+                                         ("Finalize", pb.CommitReply), ("Stats", pb.StatsReply),
+                                         ("ReadMany", pb.ReadManyReply), ("FinalizeMany", pb.CommitReply))}
+        self._batched = True  # the service answers ReadMany and FinalizeMany (an older one does not)
         # _lock guards the queues (held for microseconds); _io_lock is held by whoever uses the stream, a commit
         # for the whole wait for its ack: appends from the decode loop keep queueing while a commit is in flight.
         self._lock = threading.Lock()
@@ -292,6 +301,51 @@ class RemoteWAL(TokenLog):
 
     def policy_versions(self, traj_id: str) -> list[int]:
         return self._read(traj_id)[2]
+
+    def read_many(self, traj_ids: Sequence[str]) -> dict[str, Committed | None]:
+        """One ReadMany call per service read bound's worth of tokens (a trajectory longer than that finishes
+        with chunked Reads); per-id reads against a service without ReadMany."""
+        ids = list(dict.fromkeys(traj_ids))
+        out: dict[str, Committed | None] = {}
+        while self._batched and len(out) < len(ids):
+            try:
+                rep = self._call("ReadMany", pb.ReadManyRequest(traj_ids=ids[len(out):]))
+            except _Unimplemented:
+                self._batched = False
+                break
+            if not rep.items:
+                raise RemoteError(f"WAL service {self.address} answered ReadMany of {len(ids) - len(out)} ids with none")
+            for it in rep.items:
+                if it.traj_id != ids[len(out)]:
+                    raise RemoteError(f"WAL service {self.address} answered ReadMany out of order "
+                                      f"({it.traj_id!r} for {ids[len(out)]!r})")
+                if it.finalized:
+                    out[it.traj_id] = None
+                    continue
+                tok, lp, versions = it.tokens, it.logprobs, list(it.policy_versions)
+                if len(tok) // 4 < it.committed_length:  # longer than one reply holds: the rest in chunks
+                    tok, lp, versions = self._read(it.traj_id)
+                out[it.traj_id] = Committed(codec.unpack_tokens(tok), codec.unpack_logprobs(lp), versions)
+        if len(out) < len(ids):
+            out.update(super().read_many(ids[len(out):]))
+        return {t: out[t] for t in traj_ids}
+
+    def finalize_many(self, traj_ids: Sequence[str]) -> None:
+        """Every id finalized with one commit on the service (appends queued before it are committed first)."""
+        ids = list(traj_ids)
+        if not ids:
+            return
+        if not self._batched:
+            return super().finalize_many(ids)
+        with self._lock:
+            pending = bool(self._chunks or self._steps or self._sealed or self._unacked)
+        if pending:
+            self.commit()
+        try:
+            self._call("FinalizeMany", pb.FinalizeManyRequest(traj_ids=ids))
+        except _Unimplemented:
+            self._batched = False
+            super().finalize_many(ids)
 
     def length(self, traj_id: str) -> int:
         rep = self._call("Read", pb.ReadRequest(traj_id=traj_id, from_position=2**63))

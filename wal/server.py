@@ -151,6 +151,37 @@ class TokenLogService:
             await self._fail(context, exc)
         return pb.ReadReply(tokens=tok, logprobs=lp, policy_versions=versions, from_position=min(lo, n), committed_length=n)
 
+    def _read_many(self, traj_ids) -> pb.ReadManyReply:
+        """Whole trajectories in request order while they fit in serve.max_read_tokens tokens; the first one
+        always comes, cut at that bound if it is longer (the client reads the rest of it with Read)."""
+        items, budget = [], self.serve.max_read_tokens
+        for traj_id in traj_ids:
+            try:
+                tok, lp, versions, n = self.wal.read_packed(traj_id, 0, budget)
+            except FinalizedError:
+                items.append(pb.TrajectoryRead(traj_id=traj_id, finalized=True))
+                continue
+            if items and n > budget:
+                break  # the next reply starts with it
+            items.append(pb.TrajectoryRead(traj_id=traj_id, tokens=tok, logprobs=lp, policy_versions=versions,
+                                           committed_length=n))
+            budget -= len(tok) // 4
+        return pb.ReadManyReply(items=items)
+
+    async def ReadMany(self, raw, context):
+        req = await _parse(pb.ReadManyRequest, raw, context)
+        try:
+            return await self._blocking(self._read_many, list(req.traj_ids))
+        except (WALError, codec.CodecError) as exc:
+            await self._fail(context, exc)
+
+    async def FinalizeMany(self, raw, context):
+        req = await _parse(pb.FinalizeManyRequest, raw, context)
+        try:
+            return pb.CommitReply(durable_lsn=await self._blocking(self.wal.finalize_many, list(req.traj_ids)))
+        except (WALError, codec.CodecError) as exc:
+            await self._fail(context, exc)
+
     async def Trajectories(self, raw, context):
         await _parse(pb.TrajectoriesRequest, raw, context)
         return pb.TrajectoriesReply(traj_ids=await self._blocking(self.wal.trajectories))
@@ -174,6 +205,8 @@ class TokenLogService:
             "Read": grpc.unary_unary_rpc_method_handler(self.Read, response_serializer=ser),
             "Trajectories": grpc.unary_unary_rpc_method_handler(self.Trajectories, response_serializer=ser),
             "Finalize": grpc.unary_unary_rpc_method_handler(self.Finalize, response_serializer=ser),
+            "ReadMany": grpc.unary_unary_rpc_method_handler(self.ReadMany, response_serializer=ser),
+            "FinalizeMany": grpc.unary_unary_rpc_method_handler(self.FinalizeMany, response_serializer=ser),
             "Stats": grpc.unary_unary_rpc_method_handler(self.Stats, response_serializer=ser),
         })
 

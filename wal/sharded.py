@@ -15,6 +15,7 @@ import zlib
 from typing import Sequence
 
 from wal.base import TokenLog
+from wal.types import Committed
 
 
 def shard_of(traj_id: str, shards: int) -> int:
@@ -80,6 +81,23 @@ class ShardedWAL(TokenLog):
 
     def length(self, traj_id: str) -> int:
         return self._log(traj_id)[1].length(traj_id)
+
+    def _by_shard(self, traj_ids: Sequence[str]) -> dict[int, list[str]]:
+        parts: dict[int, list[str]] = {}
+        for t in traj_ids:
+            parts.setdefault(shard_of(t, len(self.logs)), []).append(t)
+        return parts
+
+    def read_many(self, traj_ids: Sequence[str]) -> dict[str, Committed | None]:
+        got: dict[str, Committed | None] = {}
+        for k, ids in self._by_shard(traj_ids).items():
+            got.update(self.logs[k].read_many(ids))
+        return {t: got[t] for t in traj_ids}
+
+    def finalize_many(self, traj_ids: Sequence[str]) -> None:
+        for k, ids in self._by_shard(traj_ids).items():
+            self.logs[k].finalize_many(ids)
+            self._dirty.discard(k)
 
     def trajectories(self) -> list[str]:
         return [t for log in self.logs for t in log.trajectories()]

@@ -7,7 +7,9 @@ from typing import Sequence
 from wal import codec
 from wal.base import TokenLog
 from wal.config import WALConfig
+from wal.errors import FinalizedError
 from wal.store import Store
+from wal.types import Committed
 
 
 class TokenWAL(TokenLog):
@@ -59,6 +61,17 @@ class TokenWAL(TokenLog):
     def policy_versions(self, traj_id: str) -> list[int]:
         return self._read(traj_id)[2]
 
+    def read_many(self, traj_ids: Sequence[str]) -> dict[str, Committed | None]:
+        out: dict[str, Committed | None] = {}
+        for traj_id in traj_ids:
+            try:
+                tok, lp, versions, _ = self._read(traj_id)
+            except FinalizedError:
+                out[traj_id] = None
+                continue
+            out[traj_id] = Committed(codec.unpack_tokens(tok), codec.unpack_logprobs(lp), versions)
+        return out
+
     def read_packed(self, traj_id: str, lo: int = 0, hi: int | None = None) -> tuple[bytes, bytes, list[int], int]:
         """Committed positions lo..hi as (packed int32 tokens, packed float64 log-probs, versions, committed length)."""
         return self._read(traj_id, lo, hi)
@@ -78,8 +91,9 @@ class TokenWAL(TokenLog):
     def finalize(self, traj_id: str) -> None:
         self._store.finalize(traj_id)
 
-    def finalize_many(self, traj_ids: Sequence[str]) -> None:
-        self._store.finalize_many(traj_ids)  # one commit for all
+    def finalize_many(self, traj_ids: Sequence[str]) -> int:
+        """One commit for all; returns the durable lsn."""
+        return self._store.finalize_many(traj_ids)
 
     def reclaim(self) -> int:
         """Run retention now (it also runs in the background after each segment roll)."""

@@ -22,6 +22,14 @@ STEP = 6
 RECORD_TYPES = (TOKENS, FINALIZE, ENV_INVOKE, ENV_RESULT, ENV_RELEASE, STEP)
 
 
+class Committed(NamedTuple):
+    """The committed part of one trajectory, as `TokenLog.read_many` hands it out."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    policy_versions: list[int]
+
+
 class TokensRecord(NamedTuple):
     """`len(tokens) // 4` sampled tokens of `traj_id` at positions start, start+1, …"""
 

@@ -54,6 +54,16 @@ class TokenLogStub:
                 request_serializer=wal_dot_wal__pb2.FinalizeRequest.SerializeToString,
                 response_deserializer=wal_dot_wal__pb2.CommitReply.FromString,
                 _registered_method=True)
+        self.ReadMany = channel.unary_unary(
+                '/postrain.wal.v1.TokenLog/ReadMany',
+                request_serializer=wal_dot_wal__pb2.ReadManyRequest.SerializeToString,
+                response_deserializer=wal_dot_wal__pb2.ReadManyReply.FromString,
+                _registered_method=True)
+        self.FinalizeMany = channel.unary_unary(
+                '/postrain.wal.v1.TokenLog/FinalizeMany',
+                request_serializer=wal_dot_wal__pb2.FinalizeManyRequest.SerializeToString,
+                response_deserializer=wal_dot_wal__pb2.CommitReply.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/postrain.wal.v1.TokenLog/Stats',
                 request_serializer=wal_dot_wal__pb2.StatsRequest.SerializeToString,
@@ -88,6 +98,19 @@ class TokenLogServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinalizeMany(self, request, context):
+        """one commit for every id; finalized ones skipped
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -115,6 +138,16 @@ def add_TokenLogServicer_to_server(servicer, server):
             'Finalize': grpc.unary_unary_rpc_method_handler(
                     servicer.Finalize,
                     request_deserializer=wal_dot_wal__pb2.FinalizeRequest.FromString,
+                    response_serializer=wal_dot_wal__pb2.CommitReply.SerializeToString,
+            ),
+            'ReadMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadMany,
+                    request_deserializer=wal_dot_wal__pb2.ReadManyRequest.FromString,
+                    response_serializer=wal_dot_wal__pb2.ReadManyReply.SerializeToString,
+            ),
+            'FinalizeMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinalizeMany,
+                    request_deserializer=wal_dot_wal__pb2.FinalizeManyRequest.FromString,
                     response_serializer=wal_dot_wal__pb2.CommitReply.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
@@ -230,6 +263,60 @@ class TokenLog:
             target,
             '/postrain.wal.v1.TokenLog/Finalize',
             wal_dot_wal__pb2.FinalizeRequest.SerializeToString,
+            wal_dot_wal__pb2.CommitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/postrain.wal.v1.TokenLog/ReadMany',
+            wal_dot_wal__pb2.ReadManyRequest.SerializeToString,
+            wal_dot_wal__pb2.ReadManyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinalizeMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/postrain.wal.v1.TokenLog/FinalizeMany',
+            wal_dot_wal__pb2.FinalizeManyRequest.SerializeToString,
             wal_dot_wal__pb2.CommitReply.FromString,
             options,
             channel_credentials,

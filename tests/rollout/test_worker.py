@@ -213,6 +213,40 @@ def test_resume_through_the_wal_service(tmp_path, tiny_ckpt, reference):
         srv.stop()
 
 
+def test_a_worker_over_the_wal_service_reads_and_finalizes_a_batch_per_call(tmp_path, tiny_ckpt, reference, monkeypatch):
+    """Admission and finishing read every trajectory of the call with one ReadMany, and the pool's
+    acknowledgements finalize with one FinalizeMany: the round trips to the service do not grow with the
+    number of trajectories (one Read per trajectory and per field cost the cluster rollout half its speed)."""
+    from wal.config import ServeConfig
+    from wal.server import Server
+
+    srv = Server(tmp_path / "served", ServeConfig(port=0), token="t0k")
+    try:
+        spec = _spec(tmp_path, tiny_ckpt, "w", batch=8)
+        spec.wal_addr, spec.wal_token = srv.address, "t0k"
+        w = RolloutWorker(spec)
+        calls: dict = {}
+        real = w.wal._call
+        monkeypatch.setattr(w.wal, "_call", lambda name, req: calls.update({name: calls.get(name, 0) + 1}) or real(name, req))
+        w.submit(_requests(8))
+        runs, out = 0, {}
+        while True:
+            rep = w.run(8)
+            runs += 1
+            out.update({f.traj_id: f for f in rep.finished})
+            w.finalize([f.traj_id for f in rep.finished])
+            if rep.idle and not rep.finished:
+                break
+        w.close()
+        assert len(out) == 8 and srv.wal.trajectories() == []
+        assert set(calls) <= {"ReadMany", "FinalizeMany"}, calls
+        assert calls["ReadMany"] <= 2 * runs and calls["FinalizeMany"] <= runs
+        for t, f in reference.items():  # the same trajectories as the in-process reference
+            assert out[t].tokens == f.tokens and out[t].logprobs == f.logprobs
+    finally:
+        srv.stop()
+
+
 def test_cuda_graphs_setting_needs_the_fast_path_and_is_a_no_op_on_a_cpu(tmp_path, tiny_ckpt):
     with pytest.raises(ValueError, match="engine.cuda_graphs needs engine.strict = false"):
         EngineConfig(cuda_graphs=True, strict=True)
