@@ -158,8 +158,9 @@ class RolloutWorker:
             # the next steps run on the device while these are made durable (they feed only requests
             # still running, so a tool call or a finish waits for the commit of its step)
             pending = eng.launch(min(chunk, max_steps - step)) if step < max_steps else None
-            for draws, stopped in steps:
-                self.committer.submit(draws, eng.version, (draws, stopped), flush=bool(stopped))
+            for draws, stopped in steps:  # a tool call waits for its step's commit: commit it now; a finish
+                paused = any(seq.state == "paused" for seq in stopped)  # waits for the end of the call anyway
+                self.committer.submit(draws, eng.version, (draws, stopped), flush=paused)
             self._expose(self.committer.ready())
             if pending is None and step < max_steps:  # nothing running: settle the stops, admit, go on
                 self._expose(self.committer.ready(wait_all=True))
