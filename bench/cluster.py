@@ -1,15 +1,16 @@
 """postrain on a local 3-node Ray cluster (head + 2 worker raylets on this machine): placement cost,
 node-loss recovery, WAL streams one service holds.
 
-    postrain bench cluster --json [--rounds 3] [--out FILE]
+    postrain bench cluster --json [--rounds 5] [--out FILE]
 
 - two_nodes_vs_one_node_tokens_s: rollout tokens/s with the workers spread over the two worker nodes
   and the WAL over gRPC (a log service actor on the head node), divided by the tokens/s of the same
   worker count on one node (the cluster with one worker node) with in-process WALs. The workload is
   one GRPO iteration's rollouts as `configs/grpo_loop.toml` ships them (its [engine], [sampling] and
-  [pool] tables: 256 requests, batched decode, a WAL commit per 4 decode steps). Same requests,
-  seed, model and worker count on both sides; rounds alternate the order; median of each side over
-  the rounds; tokens/s counts committed sampled tokens over the pool's run (actor start-up excluded).
+  [pool] tables: 256 requests, batched decode, a WAL commit per 4 decode steps), four iterations one
+  after another on one pool per run. Same requests, seed, model and worker count on both sides; rounds
+  alternate the order; median of each side over the rounds; tokens/s counts committed sampled tokens
+  over the pool's run time (actor start-up excluded).
   The same ratio on a small strict-decode workload (16 episodes of 32 tokens, under a second a run,
   where per-call costs weigh most) is kept as `placement_small`.
 - node_loss_recovery_s: a worker node is killed (SIGKILL of its raylet and every process under it)
@@ -43,6 +44,7 @@ from rollout.local_cluster import LocalCluster, free_port
 ROOT = Path(__file__).resolve().parents[1]
 N_TRAJ, MAX_NEW, WORKERS, SEED = 16, 32, 2, 11
 PRODUCT_REQUESTS = 256  # one GRPO iteration: loop.prompts_per_iteration x loop.group_size of the shipped config
+PRODUCT_ITERATIONS = 4  # iterations per measured run: one takes ~0.6 s here, where the machine's noise is +-30 %
 
 
 def _checkpoint(path: Path) -> Path:
@@ -79,23 +81,30 @@ def _product_cfg(**pool):
     return RolloutConfig.model_validate(tables)
 
 
-def _run_pool(ckpt: Path, run_dir: Path, cfg, watch=None, spares: int = 0, n: int = N_TRAJ):
+def _run_pool(ckpt: Path, run_dir: Path, cfg, watch=None, spares: int = 0, n: int = N_TRAJ, iterations: int = 1):
+    """`iterations` batches of `n` requests one after another on one pool (as the GRPO loop's iterations are);
+    returns the pool and each batch's result."""
+    import dataclasses
+
     from rollout.pool import RolloutPool
     from rollout.run import requests_for
 
     pool = RolloutPool(ckpt, run_dir, cfg.pool, cfg.engine, use_tools=False, spares=spares)
     try:
         watcher = watch(pool) if watch else None
-        res = pool.run(requests_for("reverse", n, cfg))
+        reqs = requests_for("reverse", n, cfg)
+        out = [pool.run([dataclasses.replace(r, traj_id=f"{r.traj_id}-it{k}") for r in reqs] if k else reqs)
+               for k in range(iterations)]
         if watcher is not None:
             watcher.join(60)
-        return pool, res
+        return pool, out
     finally:
         pool.close()
 
 
-def _tokens_s(res) -> float:
-    return res.counters["tokens_committed"] / res.wall_s
+def _tokens_s(results) -> float:
+    """Committed sampled tokens over the pool's run time, summed over the batches."""
+    return sum(r.counters["tokens_committed"] for r in results) / sum(r.wall_s for r in results)
 
 
 def _nodes(cluster: LocalCluster, n: int) -> None:
@@ -109,8 +118,9 @@ def _nodes(cluster: LocalCluster, n: int) -> None:
 def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool, watch=None, spares: int = 0,
                 product: bool = False):
     """A rollout on the cluster: 2 workers of 1 CPU each, SPREAD; the WAL a service actor on the head node, or
-    (wal_service False) in-process logs in the run directory. `product`: the shipped GRPO iteration's
-    rollouts (`_product_cfg`, 256 requests) instead of the small strict workload."""
+    (wal_service False) in-process logs in the run directory. `product`: PRODUCT_ITERATIONS of the shipped GRPO
+    iteration's rollouts (`_product_cfg`, 256 requests each) instead of the small strict workload. Returns the
+    pool and the result of each batch."""
     import ray
 
     from rollout.ray_cluster import init_ray
@@ -123,7 +133,8 @@ def _on_cluster(cluster: LocalCluster, ckpt: Path, work: Path, wal_service: bool
         addr = services.start_wal(work / "wal-service", 1, cluster.head_node_id, "bench-cluster")[0] if wal_service else ""
         place = dict(worker_cpus=1, worker_strategy="SPREAD", wal_addr=addr)
         cfg = _product_cfg(**place) if product else _pool_cfg(**place)
-        pool, res = _run_pool(ckpt, work, cfg, watch, spares, n=PRODUCT_REQUESTS if product else N_TRAJ)
+        pool, res = _run_pool(ckpt, work, cfg, watch, spares, n=PRODUCT_REQUESTS if product else N_TRAJ,
+                              iterations=PRODUCT_ITERATIONS if product else 1)
     finally:
         services.close()
         os.environ.pop("POSTRAIN_WAL_TOKEN", None)
@@ -143,12 +154,13 @@ def placement(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int, produc
     for r in range(rounds):
         for side in (("one", "two") if r % 2 == 0 else ("two", "one")):
             _nodes(cluster, 1 if side == "one" else 2)
-            _, res = _on_cluster(cluster, ckpt, work / f"{tag}-{side}-{r}", wal_service=side == "two", product=product)
-            nodes = {ids[-1] for ids in res.worker_nodes.values()}
+            _, results = _on_cluster(cluster, ckpt, work / f"{tag}-{side}-{r}", wal_service=side == "two", product=product)
+            res = results[0]
+            nodes = {ids[-1] for r_ in results for ids in r_.worker_nodes.values()}
             if len(nodes) != (1 if side == "one" else 2) or not nodes <= set(cluster.worker_node_ids):
                 raise RuntimeError(f"{side} node(s): the workers ran on {nodes}")
-            (one if side == "one" else two).append(_tokens_s(res))
-            hashes.append({t: f.token_hash for t, f in res.finished.items()})
+            (one if side == "one" else two).append(_tokens_s(results))
+            hashes.append({t: f.token_hash for r_ in results for t, f in r_.finished.items()})
     _nodes(cluster, 2)
     same = all(h == hashes[0] for h in hashes)
     return {"one_node_tokens_s": [round(x, 1) for x in one], "two_nodes_tokens_s": [round(x, 1) for x in two],
@@ -181,7 +193,7 @@ def node_loss(cluster: LocalCluster, ckpt: Path, work: Path, rounds: int, calm: 
             return t
 
         # one warm spare per worker node (SPREAD): a replacement on the surviving node needs no cold start
-        pool, res = two_nodes(cluster, ckpt, work / f"loss-{r}", watch, spares=2)
+        pool, (res,) = two_nodes(cluster, ckpt, work / f"loss-{r}", watch, spares=2)
         cluster.add_worker()
         if not seen:
             raise RuntimeError("node loss: the node was never removed mid-decode")
@@ -297,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         "cluster": "rollout/local_cluster.py: head (0 CPUs, GCS) + 2 worker raylets of 2 CPUs each on this "
                    "machine; node failure noticed after 3 missed 1 s health checks",
         "workload": f"placement: one GRPO iteration's rollouts as configs/grpo_loop.toml ships them ({PRODUCT_REQUESTS} "
-                    f"`reverse` requests, {WORKERS} workers); placement_small and node-loss: {N_TRAJ} `reverse` "
+                    f"`reverse` requests, {WORKERS} workers), {PRODUCT_ITERATIONS} iterations per run; placement_small and node-loss: {N_TRAJ} `reverse` "
                     f"episodes, {MAX_NEW} new tokens each, strict decode; tiny Qwen2-architecture policy (64 hidden, 2 layers)",
         "method": __doc__.split("\n\n", 2)[2].strip(),
         "placement": place,
