@@ -10,6 +10,7 @@ import sys
 import traceback
 
 from deploy import commands
+from deploy.json_stdout import release_stdout, reserve_stdout
 
 
 def _verb_modules():
@@ -48,6 +49,8 @@ def _one_line(exc: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and getattr(args, "json", False):  # run as a program: stdout is the report's alone
+        reserve_stdout()
     try:
         code = args._run(args)
     except KeyboardInterrupt:
@@ -58,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"postrain {args.verb}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    finally:
+        release_stdout()
     return int(code or 0)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import socket
-from contextlib import contextmanager
+import sys
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass, field
 
 from core.errors import UserError
@@ -95,7 +96,8 @@ def local_shared_ray(num_cpus: int):
         yield address
     finally:
         os.environ.pop(SHARED_RAY_ENV, None)
-        ray.shutdown()
+        with redirect_stdout(sys.stderr):  # the worker notices Ray still holds are printed now: not on stdout
+            ray.shutdown()
 
 
 @dataclass(frozen=True)

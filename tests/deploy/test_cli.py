@@ -40,6 +40,20 @@ def test_domains_json():
     assert all(r["description"] for r in rows)
 
 
+def test_json_stdout_carries_the_report_alone():
+    """Under --json, what child processes and native code write to descriptor 1, and what other threads
+    print (Ray's error listener prints a dead worker's notice to sys.stdout), and what is printed once the
+    command returned (Ray's shutdown at exit), goes to stderr; the report alone reaches stdout."""
+    code = ("import os, subprocess, sys, threading; from deploy.json_stdout import reserve_stdout; reserve_stdout();"
+            "subprocess.run(['echo', 'child notice']); os.write(1, b'native notice\\n');"
+            "t = threading.Thread(target=print, args=('thread notice',)); t.start(); t.join();"
+            "print('{\"report\": 1}'); from deploy.json_stdout import release_stdout; release_stdout();"
+            "print('exit notice')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert p.stdout == '{"report": 1}\n'
+    assert all(f"{w} notice" in p.stderr for w in ("child", "native", "thread", "exit"))
+
+
 @pytest.mark.parametrize("args,needle", [
     (["sft", "--out", "{tmp}/x", "--domain", "nope"], "unknown domain 'nope'"),
     (["sft", "--out", "{tmp}/x", "--set", "sft.stepz=3"], "unknown key 'sft.stepz'"),

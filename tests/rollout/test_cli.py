@@ -18,8 +18,7 @@ SETS = ["--set", "sampling.max_new_tokens=24", "--set", "engine.max_batch=2", "-
 
 
 def _report(p) -> dict:
-    # the report is one line (--json); Ray's driver may print a killed worker's exit notice after it
-    return json.loads(next(line for line in reversed(p.stdout.splitlines()) if line.startswith("{")))
+    return json.loads(p.stdout)  # --json: the report is all of stdout (Ray's notices go to stderr)
 
 
 def _cli(*args, check=True):
