@@ -326,8 +326,13 @@ class RemoteWAL(TokenLog):
                 if len(tok) // 4 < it.committed_length:  # longer than one reply holds: the rest in chunks
                     tok, lp, versions = self._read(it.traj_id)
                 out[it.traj_id] = Committed(codec.unpack_tokens(tok), codec.unpack_logprobs(lp), versions)
-        if len(out) < len(ids):
-            out.update(super().read_many(ids[len(out):]))
+        for traj_id in ids[len(out):]:  # an older service: one Read per id, all three fields at once
+            try:
+                tok, lp, versions = self._read(traj_id)
+            except FinalizedError:
+                out[traj_id] = None
+                continue
+            out[traj_id] = Committed(codec.unpack_tokens(tok), codec.unpack_logprobs(lp), versions)
         return {t: out[t] for t in traj_ids}
 
     def finalize_many(self, traj_ids: Sequence[str]) -> None:
@@ -337,10 +342,7 @@ class RemoteWAL(TokenLog):
             return
         if not self._batched:
             return super().finalize_many(ids)
-        with self._lock:
-            pending = bool(self._chunks or self._steps or self._sealed or self._unacked)
-        if pending:
-            self.commit()
+        self._commit_pending()
         try:
             self._call("FinalizeMany", pb.FinalizeManyRequest(traj_ids=ids))
         except _Unimplemented:
@@ -354,11 +356,15 @@ class RemoteWAL(TokenLog):
     def trajectories(self) -> list[str]:
         return list(self._call("Trajectories", pb.TrajectoriesRequest()).traj_ids)
 
-    def finalize(self, traj_id: str) -> None:
+    def _commit_pending(self) -> None:
+        """Appends queued or unacknowledged before a finalize must land before it."""
         with self._lock:
             pending = bool(self._chunks or self._steps or self._sealed or self._unacked)
         if pending:
-            self.commit()  # appends before a finalize must land before it
+            self.commit()
+
+    def finalize(self, traj_id: str) -> None:
+        self._commit_pending()
         self._call("Finalize", pb.FinalizeRequest(traj_id=traj_id))
 
     def stats(self) -> dict:
