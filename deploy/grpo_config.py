@@ -8,7 +8,7 @@ learner's (`learner/grpo_config.py`), `[engine] [sampling] [pool]` the rollout p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -32,6 +32,11 @@ class LoopConfig(Config):
     tokens_per_rank: int = Field(0, ge=0, le=1 << 30, description="plan budget per rank and minibatch (one optimizer "
                                                                   "step each); 0 = from loop.minibatches")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals (0 = only first and last)")
+    patience: int = Field(0, ge=0, le=1_000_000, description="evals in a row without a new best pass@1 after which "
+                          "the run ends as at --iterations (eval, checkpoint, final/); 0 = never (early stopping)")
+    final: Literal["last", "best"] = Field("last", description='what final/ holds: the last iteration\'s policy, or '
+                                           '"best": the policy of the best eval (kept as OUT/best/it{k}/; ties keep '
+                                           'the earlier)')
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints (the last is always saved)")
     time_budget_s: float = Field(0.0, ge=0.0, le=1e7, description="wall-clock budget of one `postrain grpo` process, "
                                  "start-up included: no iteration starts that the last one's duration says would "

@@ -33,6 +33,10 @@ class OPDLoop(Config):
     minibatches: int = Field(2, ge=1, le=4096, description="optimizer steps per iteration (teacher-ordered minibatches)")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals on every domain "
                                                                "(0 = only first and last)")
+    final: Literal["last", "best"] = Field("last", description='what final/ holds: the last iteration\'s student, or '
+                                           '"best": the one of the eval that kept most of its worst-kept teacher (the '
+                                           'lowest pass@1 over the best teacher\'s, across domains; kept as '
+                                           'OUT/best/it{k}/, ties keep the earlier)')
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints")
     time_budget_s: float = Field(0.0, ge=0.0, le=1e7, description="wall-clock budget of one `postrain opd` process; "
                                  "no iteration starts that would overrun it; 0 = none")

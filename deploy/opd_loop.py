@@ -194,7 +194,12 @@ class OPDLoop:
             self.dp.close()
 
     def _iterate(self, start: int) -> dict:
+        from deploy.best_policy import BestPolicy
+
         lp = self.cfg.loop
+        self.best = BestPolicy(self.out / "best", save=lp.final == "best")
+        self.best.resume([(r["iteration"], r["eval_retention_min"]) for r in self.run.read_metrics()
+                          if r.get("stage") == "eval" and "eval_retention_min" in r], start)
         last_eval = self._evaluate(0, self.group.weights()) if start == 0 else None
         self._kl_row = {} if start == 0 else None  # the KL row `_mixture` reads (None: read it back once)
         done = start
@@ -232,6 +237,7 @@ class OPDLoop:
             stop = done == self.stop_after
             if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
                 saved = self.group.save_checkpoint(self.run.checkpoints, done)
+                self.best.after_checkpoint(done)
                 self._reclaim(done)
                 if self.storage is not None:  # every checkpoint is kept, as in a local run directory
                     self.storage.publish_checkpoint(saved)
@@ -242,7 +248,7 @@ class OPDLoop:
         final = None
         if done == self.iterations:
             self.eval_model.load_state_dict(self.group.weights())
-            final = str(save_policy(self.eval_model, self.tok, self.out / "final"))
+            final = str(self.best.write_final(self.out / "final", lambda d: save_policy(self.eval_model, self.tok, d)))
         self.plot()
         if self.storage is not None:
             if final:
@@ -251,7 +257,8 @@ class OPDLoop:
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "teachers": {t.name: t.path for t in self.teachers}, "teacher_pass_at_1": self.teacher_pass,
-                "eval": evals, "last_eval": last_eval}
+                "eval": evals, "last_eval": last_eval,
+                "best": {"iteration": self.best.iteration, "retention_min": self.best.pass_at_1, "final": lp.final}}
 
     def _mixture(self, k: int) -> dict[str, float] | None:
         """Iteration k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from
@@ -414,7 +421,15 @@ class OPDLoop:
             res = evaluate(self.eval_model, self.tok, d, self.cfg.eval)
             row[f"eval_pass_at_1_{d}"] = res["pass_at_1"]
         row["eval_pass_at_1_min"] = min(row.values())
+        kept = [row[f"eval_pass_at_1_{d}"] / best for d in self.domains
+                if (best := max((self.teacher_pass.get(t.name, 0.0) for t in self.teachers if t.domain == d), default=0.0)) > 0]
+        if kept:  # the student over the best of its teachers, on the domain it keeps least of
+            row["eval_retention_min"] = min(kept)
         self.run.log(stage="eval", iteration=iteration, **row, eval_n=self.cfg.eval.n, eval_s=round(time.monotonic() - t0, 3))
+        if "eval_retention_min" in row:
+            from core.hf import save_policy
+
+            self.best.observe(iteration, row["eval_retention_min"], lambda d: save_policy(self.eval_model, self.tok, d))
         if not self.quiet:
             shown = "  ".join(f"{d} {row[f'eval_pass_at_1_{d}']:.3f}" for d in self.domains)
             print(f"opd iteration {iteration}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)

@@ -272,12 +272,15 @@ class Pipeline:
         for dom in self.cfg.pipeline.domains:
             if dom not in train:
                 self._say(f"specialists: {dom}: the base is at {base_eval[dom]:.3f} >= {c.skip_at}; it is its own teacher")
-        budgets = c.budgets_s(train)
+        stage_s = c.budget_s + self._carry_s("specialists")
+        budgets = c.budgets_s(train, stage_s)
         todo = [dom for dom in train if not self._specialist_done(d / dom)]
         running: list[tuple[str, subprocess.Popen]] = []
         for i, dom in enumerate(todo):
             while len(running) >= c.parallel:
                 running = self._reap(running)
+            if c.parallel == 1 and self.cfg.pipeline.carry_over:
+                budgets = self._sequential_budgets(d, train, todo[i:], stage_s)
             running.append((dom, self._start_specialist(d / dom, dom, base, budgets[dom], train.index(dom))))
         while running:
             running = self._reap(running)
@@ -305,6 +308,7 @@ class Pipeline:
             args += ["--set", f"loop.time_budget_s={max(30.0, budget_s - self._spent(out)):.0f}"]
         if resume:
             args.append("--resume")
+        self._say(f"specialists: {dom}: budget {budget_s:.0f} s")
         log = out.parent / f"{dom}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         f = open(log, "ab")
@@ -319,6 +323,25 @@ class Pipeline:
         if self.cfg.specialists.parallel == 1:
             self._watch(proc, "specialists", f"grpo {dom}", budget_s, out / "metrics.jsonl")
         return proc
+
+    def _sequential_budgets(self, d: Path, train: list[str], pending: list[str], stage_s: float) -> dict[str, float]:
+        """One specialist at a time: the stage's time left after the finished ones (the wall time in their own
+        metrics) split by the shares of those still to run, so one that ended early leaves the rest to them."""
+        left = stage_s - sum(self._spent(d / x) for x in train if x not in pending)
+        return self.cfg.specialists.budgets_s(pending, left)
+
+    def _carry_s(self, stage: str) -> float:
+        """What the training stages before `stage` left of their budgets (negative: what they overran), from
+        their manifests; 0 with pipeline.carry_over off."""
+        if not self.cfg.pipeline.carry_over:
+            return 0.0
+        budgets = self.cfg.stage_budgets_s()
+        carry = 0.0
+        for earlier in STAGES[:STAGES.index(stage)]:
+            doc = manifest.read(self.run_dir / earlier)
+            if doc is not None and "wall_s" in doc:
+                carry += budgets[earlier] - float(doc["wall_s"])
+        return carry
 
     @staticmethod
     def _spent(out: Path) -> float:
@@ -374,11 +397,13 @@ class Pipeline:
                 "--config", str(self._file(c.config, "merge")), "--quiet", *self._chaos(100),
                 *(f"--teacher={dom}={p}" for dom, p in teachers.items()),
                 *(a for kv in self._sets("merge") for a in ("--set", kv))]
+        budget_s = c.budget_s + self._carry_s("merge")
         if c.use_budget:
-            args += ["--set", f"loop.time_budget_s={max(30.0, c.budget_s - self._spent(out)):.0f}"]
+            args += ["--set", f"loop.time_budget_s={max(30.0, budget_s - self._spent(out)):.0f}"]
+            self._say(f"merge: budget {budget_s:.0f} s")
         if resume:
             args.append("--resume")
-        self._postrain("merge", args, d / "log.txt", c.budget_s, out / "metrics.jsonl")
+        self._postrain("merge", args, d / "log.txt", budget_s, out / "metrics.jsonl")
         write_atomic(done, b"{}")
         return {"merged": out / "final"}, {"teachers": {k: str(v) for k, v in teachers.items()}}
 

@@ -17,6 +17,9 @@ class PipelineTable(Config):
     domains: list[str] = Field(["arith", "reverse", "calc"], min_length=1, description="domains of the whole pipeline")
     budget_min: float = Field(30.0, gt=0, le=1e6, description="wall budget of the whole pipeline in minutes; the "
                               "stages' budgets must fit in it")
+    carry_over: bool = Field(True, description="a stage that ends under its budget hands the rest on (SFT and the "
+                             "specialists to the next training stage, a specialist to the ones after it), and one that "
+                             "overruns takes its excess from there, so the whole keeps to the stages' sum")
     seed: int = Field(0, ge=0, description="seed of every stage (SFT data and init, prompt draws, sampling, learner); "
                                            "0 = each stage config's own seeds")
 
@@ -42,13 +45,14 @@ class SpecialistsStage(Config):
                                      "domain (1 when not named): a domain whose iterations cost more (tool calls, "
                                      "longer completions) can get more of the time")
 
-    def budgets_s(self, train: list[str]) -> dict[str, float]:
-        """Each training domain's time budget: the stage budget split by the shares of the domains that train,
-        `parallel` of them running at once, none longer than the stage."""
+    def budgets_s(self, train: list[str], stage_s: float | None = None) -> dict[str, float]:
+        """Each training domain's time budget: the stage budget (`stage_s`, default budget_s) split by the
+        shares of the domains in `train`, `parallel` of them running at once, none longer than the stage."""
+        stage_s = self.budget_s if stage_s is None else stage_s
         weight = {d: self.shares.get(d, 1.0) for d in train}
         total = sum(weight.values()) or 1.0
         lanes = min(self.parallel, len(train))
-        return {d: min(self.budget_s, self.budget_s * lanes * w / total) for d, w in weight.items()}
+        return {d: min(stage_s, stage_s * lanes * w / total) for d, w in weight.items()}
 
 
 class MergeStage(Config):

@@ -156,3 +156,32 @@ def test_a_mixture_of_domains_shares_the_prompts_and_evaluates_each(tmp_path, re
     assert json.loads((tmp_path / "mix" / "grpo_run.json").read_text())["domain"] == "arith+reverse"
     with pytest.raises(UserError, match="one domain at a time"):
         run_grpo(_cfg("loop.replay_share=0.5"), ["arith", "reverse"], reverse_base, tmp_path / "x", iterations=1)
+
+
+def test_patience_ends_the_run_and_final_holds_the_best_eval(tmp_path, reverse_base):
+    """Evals every iteration, patience 1 (this seeded run measured 0.625, 0.6875, 0.625: best at 1). The run
+    ends at the first eval that beats no earlier one, final/ is the best eval's policy (it scores that eval's
+    pass@1 again), and a run killed in between and resumed ends the same way with the same final/."""
+    from core.hf import load_policy
+    from learner.evaluate import evaluate
+
+    cfg = _cfg("loop.eval_every=1", "loop.patience=1", "loop.final=best")
+    out = tmp_path / "straight"
+    res = run_grpo(cfg, "reverse", reverse_base, out, iterations=8, quiet=True)
+    evals = [(r["iteration"], r["eval_pass_at_1"]) for r in _rows(out, "eval")]
+    first_stale = next((i for (i, p), prev in zip(evals[1:], evals) if p <= max(q for j, q in evals if j < i)), None)
+    assert first_stale is not None and first_stale >= 2, evals  # a best after the start, then a stall
+    assert res["iterations_done"] == first_stale == evals[-1][0] < 8, (res, evals)
+    assert _rows(out, "patience")[0]["best_iteration"] == res["best"]["iteration"]
+    best_i, best_p = max(evals, key=lambda e: (e[1], -e[0]))
+    assert res["best"] == {"iteration": best_i, "pass_at_1": best_p, "final": "best"}
+    model, tok = load_policy(out / "final")
+    assert evaluate(model, tok, "reverse", cfg.eval)["pass_at_1"] == best_p
+    assert sorted(p.name for p in (out / "best").iterdir()) == [f"it{best_i}"]
+
+    resumed = tmp_path / "resumed"
+    run_grpo(cfg, "reverse", reverse_base, resumed, iterations=8, quiet=True, stop_after=max(1, first_stale - 1))
+    again = run_grpo(cfg, "reverse", reverse_base, resumed, iterations=8, quiet=True, resume=True)
+    assert again["iterations_done"] == res["iterations_done"] and again["best"] == res["best"]
+    a, b = load_policy(out / "final")[0].state_dict(), load_policy(resumed / "final")[0].state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

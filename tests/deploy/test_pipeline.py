@@ -190,3 +190,30 @@ def test_the_specialists_budget_is_split_by_shares():
     assert st.budgets_s(["arith", "reverse"]) == {"arith": 600, "reverse": 600}
     both = SpecialistsStage(budget_s=1200, parallel=2, shares={"calc": 2})
     assert both.budgets_s(["arith", "calc"]) == {"arith": 800, "calc": 1200}  # none longer than the stage
+
+
+def test_time_a_stage_leaves_goes_to_the_stages_after_it(tmp_path):
+    from deploy import manifest
+    from deploy.pipeline import Pipeline
+    from deploy.pipeline_config import PipelineConfig
+
+    cfg = PipelineConfig.model_validate({"sft": {"budget_s": 200}, "specialists": {"budget_s": 1200, "shares": {"calc": 2}},
+                                         "merge": {"budget_s": 240}, "evaluate": {"budget_s": 30}})
+    p = Pipeline(cfg, "carry", runs=tmp_path, quiet=True)
+    assert p._carry_s("specialists") == 0.0  # nothing finished yet
+    manifest.write(p.run_dir / "sft", settings="s", inputs={}, outputs={}, wall_s=150.0)
+    assert p._carry_s("specialists") == 50.0  # SFT ended 50 s early
+    manifest.write(p.run_dir / "specialists", settings="s", inputs={}, outputs={}, wall_s=1290.0)
+    assert p._carry_s("merge") == 50.0 - 90.0  # the specialists overran by 90 s: the merge gives it back
+    d = p.run_dir / "specialists"
+    assert p._sequential_budgets(d, ["arith", "reverse", "calc"], ["arith", "reverse", "calc"], 1200) == {
+        "arith": 300, "reverse": 300, "calc": 600}
+    (d / "arith").mkdir(parents=True)
+    (d / "arith" / "metrics.jsonl").write_text(json.dumps({"time_s": 100.0, "stage": "train"}) + "\n")
+    # arith ended after 100 s of its 300: reverse and calc share the 1,100 s left by their shares
+    assert p._sequential_budgets(d, ["arith", "reverse", "calc"], ["reverse", "calc"], 1200) == {
+        "reverse": pytest.approx(1100 / 3), "calc": pytest.approx(2200 / 3)}
+    off = Pipeline(cfg.model_copy(update={"pipeline": cfg.pipeline.model_copy(update={"carry_over": False})}),
+                   "off", runs=tmp_path, quiet=True)
+    manifest.write(off.run_dir / "sft", settings="s", inputs={}, outputs={}, wall_s=150.0)
+    assert off._carry_s("merge") == 0.0
