@@ -97,6 +97,14 @@ class Pipeline:
                 raise UserError(f"pipeline: the merge's teacher for {d} ({p}) does not exist")
         if cfg.merge.init != "base" and not Path(cfg.merge.init).exists():
             raise UserError(f"pipeline: merge.init {cfg.merge.init} does not exist")
+        selecting = {f"specialists ({d})": g for d, g in self.grpo_cfgs.items() if g.loop.final == "best" or g.loop.patience}
+        if self.opd_cfg.loop.final == "best":
+            selecting["merge"] = self.opd_cfg
+        same = [name for name, c in selecting.items() if c.eval.seed == cfg.evaluate.seed]
+        if same:
+            raise UserError(f"pipeline: {', '.join(same)} choose a policy by their own eval (loop.final = \"best\" or "
+                            f"loop.patience) drawn with eval.seed = {cfg.evaluate.seed}, the evaluate stage's seed: that "
+                            "selects on the prompts the report scores; give those stages another eval.seed")
         budgets = cfg.stage_budgets_s()
         total = sum(budgets.values())
         if total > cfg.pipeline.budget_min * 60:

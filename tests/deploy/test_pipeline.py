@@ -130,6 +130,8 @@ def test_a_changed_opd_setting_reruns_merge_and_evaluate_only(tmp_path, calm):
     (["merge.config=nope.toml"], "[merge] config 'nope.toml' not found"),
     (['specialists.shares={"nope": 2}'], "specialists.shares names domain(s) ['nope'] outside pipeline.domains"),
     (['specialists.shares={"calc": 0}'], "specialists.shares must be > 0"),
+    (['merge.set=["loop.final=best"]'], "merge choose a policy by their own eval"),
+    (['specialists.set=["loop.patience=3"]'], "specialists (arith), specialists (reverse), specialists (calc) choose"),
 ])
 def test_bad_config_fails_before_any_stage(tmp_path, sets, needle):
     res = subprocess.run([sys.executable, "-m", "deploy.cli", "pipeline", "--runs", str(tmp_path), "--name", "x",
