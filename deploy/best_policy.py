@@ -65,6 +65,11 @@ class BestPolicy:
         for _, path in covered[:-1]:
             shutil.rmtree(path)
 
+    @property
+    def value(self) -> float | None:
+        """The best eval's score (None before any eval)."""
+        return None if self.iteration is None else self.pass_at_1
+
     def exhausted(self, patience: int) -> bool:
         """`patience` evals in a row brought no new best (patience 0: never)."""
         return patience > 0 and self.evals_since >= patience

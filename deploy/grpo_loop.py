@@ -326,7 +326,7 @@ class GRPOLoop:
             self.storage.publish_files()
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
-                "best": {"iteration": self.best.iteration, "pass_at_1": self.best.pass_at_1, "final": lp.final},
+                "best": {"iteration": self.best.iteration, "pass_at_1": self.best.value, "final": lp.final},
                 "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
                 "last_eval": last_eval, **disk}
 

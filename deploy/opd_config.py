@@ -29,6 +29,11 @@ class OPDLoop(Config):
     mixture: Literal["fixed", "kl"] = Field("fixed", description="fixed: `domain_weights` every iteration; kl: "
                                             "each domain gets `mixture_floor`, the rest follows the last "
                                             "iteration's per-token KL to its teachers")
+    mixture_kl: Literal["token", "sequence"] = Field("token", description="the KL the kl mixture follows: per "
+                                                     "token (mean over the domain's scored positions), or per "
+                                                     "sequence (summed over a sample's positions, mean over the "
+                                                     "domain's samples: long completions that drift a little at "
+                                                     "every token weigh what their whole answer drifts)")
     mixture_floor: float = Field(0.15, ge=0.0, le=1.0, description="share every domain keeps under mixture = kl")
     minibatches: int = Field(2, ge=1, le=4096, description="optimizer steps per iteration (teacher-ordered minibatches)")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals on every domain "

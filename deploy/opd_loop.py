@@ -215,6 +215,8 @@ class OPDLoop:
             cache = self._fill(k, sampled)
             t_train = time.monotonic()
             train = self._train(k, sampled)
+            shares = domain_shares(lp.prompts_per_iteration, self.domains, mix) if mix else {}
+            train |= {f"prompts_{d}": n for d, n in shares.items()}  # the row the next mixture reads
             self._kl_row = train
             t1 = time.monotonic()
             weights, version = self.group.publish()
@@ -223,9 +225,7 @@ class OPDLoop:
             rewards_by_domain = {}
             for s in sampled:
                 rewards_by_domain.setdefault(s.domain, []).append(s.reward)
-            shares = domain_shares(lp.prompts_per_iteration, self.domains, mix) if mix else {}
             self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **cache, **train,
-                         **{f"prompts_{d}": n for d, n in shares.items()},
                          **{f"reward_{d}": float(np.mean(r)) for d, r in sorted(rewards_by_domain.items())},
                          train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
             done = k + 1
@@ -258,7 +258,7 @@ class OPDLoop:
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "teachers": {t.name: t.path for t in self.teachers}, "teacher_pass_at_1": self.teacher_pass,
                 "eval": evals, "last_eval": last_eval,
-                "best": {"iteration": self.best.iteration, "retention_min": self.best.pass_at_1, "final": lp.final}}
+                "best": {"iteration": self.best.iteration, "retention_min": self.best.value, "final": lp.final}}
 
     def _mixture(self, k: int) -> dict[str, float] | None:
         """Iteration k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from
@@ -274,8 +274,16 @@ class OPDLoop:
         row, kl = self._kl_row, {}
         for d in self.domains:
             mine = [t for t in self.teachers if t.domain == d and f"kl_{t.name}" in row]
-            if mine:
-                kl[d] = sum(t.weight * row[f"kl_{t.name}"] for t in mine) / sum(t.weight for t in mine)
+            if not mine:
+                continue
+            kl[d] = sum(t.weight * row[f"kl_{t.name}"] for t in mine) / sum(t.weight for t in mine)
+            if lp.mixture_kl == "sequence":  # times the scored positions per sample of the domain
+                samples = row.get(f"prompts_{d}", 0) * lp.samples_per_prompt
+                positions = [row.get(f"positions_{t.name}") for t in mine]
+                if not samples or None in positions:
+                    kl.pop(d)  # not known for this domain: equal shares until it is
+                    continue
+                kl[d] *= sum(t.weight * n for t, n in zip(mine, positions)) / sum(t.weight for t in mine) / samples
         return kl_weights(self.domains, kl, lp.mixture_floor)
 
     def _over_budget(self, iteration_s: float) -> bool:
@@ -392,6 +400,7 @@ class OPDLoop:
             w = [s.get(f"positions_{t.name}", 0.0) for s in steps]
             if sum(w):
                 out[f"kl_{t.name}"] = float(np.dot(w, [s.get(f"kl_{t.name}", 0.0) for s in steps]) / sum(w))
+                out[f"positions_{t.name}"] = float(sum(w))
         out |= {"lr": steps[-1]["lr"], "optimizer_step": int(steps[-1]["step"]), "optimizer_steps": len(steps),
                 "tokens": float(sum(s["tokens"] for s in steps)),
                 "loss_positions": float(sum(s["loss_positions"] for s in steps)),
