@@ -34,3 +34,25 @@ def kl_weights(domains: list[str], kl: dict[str, float], floor: float) -> dict[s
         return {d: 1.0 for d in domains}
     rest = 1.0 - floor * len(domains)
     return {d: floor + rest * float(v) / float(k.sum()) for d, v in zip(domains, k)}
+
+
+def domain_kl(row: dict, teachers: list[tuple[str, str, float]], domains: list[str], per: str = "token",
+              samples_per_prompt: int = 1) -> dict[str, float]:
+    """Each domain's KL to its teachers from one iteration's train row: the weighted mean of `kl_{name}` (per
+    token) over the domain's teachers (name, domain, weight); per "sequence", times the domain's scored
+    positions per sample (`positions_{name}` over `prompts_{domain}` x samples_per_prompt). A domain whose
+    figures the row lacks is left out."""
+    out = {}
+    for d in domains:
+        mine = [(name, w) for name, dom, w in teachers if dom == d and f"kl_{name}" in row]
+        if not mine:
+            continue
+        total = sum(w for _, w in mine)
+        kl = sum(w * row[f"kl_{name}"] for name, w in mine) / total
+        if per == "sequence":
+            samples = row.get(f"prompts_{d}", 0) * samples_per_prompt
+            if not samples or any(f"positions_{name}" not in row for name, _ in mine):
+                continue
+            kl *= sum(w * row[f"positions_{name}"] for name, w in mine) / total / samples
+        out[d] = kl
+    return out

@@ -40,7 +40,7 @@ from core.rundir import SERVICES_DIR
 from dataplane.remote import is_uri
 from deploy.rollout_row import rollout_row
 from deploy.grpo_loop import _IterationSink, batch_name
-from deploy.mixture import domain_shares, kl_weights
+from deploy.mixture import domain_kl, domain_shares, kl_weights
 from deploy.opd_config import OPDLoopConfig
 from deploy.run_storage import local_checkpoint
 from distill.cache import CacheMismatch, CacheRecord, cache_run, check
@@ -271,19 +271,8 @@ class OPDLoop:
         if self._kl_row is None:  # a resumed run: the row iteration k-1 logged, read back once
             self._kl_row = next((r for r in self.run.read_metrics()
                                  if r.get("stage") == "train" and r.get("iteration") == k), {})
-        row, kl = self._kl_row, {}
-        for d in self.domains:
-            mine = [t for t in self.teachers if t.domain == d and f"kl_{t.name}" in row]
-            if not mine:
-                continue
-            kl[d] = sum(t.weight * row[f"kl_{t.name}"] for t in mine) / sum(t.weight for t in mine)
-            if lp.mixture_kl == "sequence":  # times the scored positions per sample of the domain
-                samples = row.get(f"prompts_{d}", 0) * lp.samples_per_prompt
-                positions = [row.get(f"positions_{t.name}") for t in mine]
-                if not samples or None in positions:
-                    kl.pop(d)  # not known for this domain: equal shares until it is
-                    continue
-                kl[d] *= sum(t.weight * n for t, n in zip(mine, positions)) / sum(t.weight for t in mine) / samples
+        kl = domain_kl(self._kl_row, [(t.name, t.domain, t.weight) for t in self.teachers], self.domains,
+                       lp.mixture_kl, lp.samples_per_prompt)
         return kl_weights(self.domains, kl, lp.mixture_floor)
 
     def _over_budget(self, iteration_s: float) -> bool:

@@ -35,3 +35,22 @@ def test_kl_weights_refuse_a_bad_floor_or_kl():
         kl_weights(DOMAINS, {}, 0.5)
     with pytest.raises(UserError, match="not finite"):
         kl_weights(DOMAINS, {"arith": float("nan"), "reverse": 0.1, "calc": 0.1}, 0.1)
+
+
+def test_domain_kl_per_token_and_per_sequence():
+    from deploy.mixture import domain_kl
+
+    teachers = [("calc:0", "calc", 1.0), ("rev:0", "reverse", 3.0), ("rev:1", "reverse", 1.0), ("ari:0", "arith", 1.0)]
+    row = {"kl_calc:0": 0.005, "positions_calc:0": 1360.0, "prompts_calc": 20,
+           "kl_rev:0": 0.04, "kl_rev:1": 0.0, "positions_rev:0": 160.0, "positions_rev:1": 160.0, "prompts_reverse": 20,
+           "kl_ari:0": 0.001}  # arith's positions and prompts missing
+    domains = ["arith", "reverse", "calc"]
+    token = domain_kl(row, teachers, domains)
+    assert token == pytest.approx({"arith": 0.001, "reverse": 0.03, "calc": 0.005})  # reverse: (3 x 0.04 + 0) / 4
+    seq = domain_kl(row, teachers, domains, "sequence", samples_per_prompt=2)
+    # calc: 68 positions per sample (1360 / 40) x 0.005; reverse: 4 per sample x 0.03; arith left out
+    assert seq == pytest.approx({"reverse": 0.12, "calc": 0.17})
+    full = domain_kl(row | {"positions_ari:0": 160.0, "prompts_arith": 20}, teachers, domains, "sequence", 2)
+    assert full["arith"] == pytest.approx(0.004)
+    assert kl_weights(domains, full, 0.1)["calc"] > 0.5 > kl_weights(domains, token, 0.1)["calc"]  # calc leads now
+    assert domain_kl({}, teachers, domains, "sequence") == {}
