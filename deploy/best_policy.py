@@ -19,8 +19,9 @@ _DIR = re.compile(r"^it(\d+)$")
 
 
 class BestPolicy:
-    def __init__(self, root: str | Path, *, save: bool):
-        self.root, self.save = Path(root), save
+    def __init__(self, root: str | Path, *, save: bool, write: Callable[[Path], None]):
+        """`write(dir)` saves the run's current policy (a new best's, or the last one for final/)."""
+        self.root, self.save, self._write = Path(root), save, write
         self.iteration: int | None = None  # of the best eval so far
         self.pass_at_1 = float("-inf")
         self.evals_since = 0  # evals after the best one that did not beat it
@@ -34,16 +35,16 @@ class BestPolicy:
             if i > start:
                 shutil.rmtree(path)
 
-    def observe(self, iteration: int, pass_at_1: float, write: Callable[[Path], None]) -> bool:
-        """One eval's result; when it is a new best (and saving is on) `write(dir)` saves its policy. True
-        when it is a new best."""
+    def observe(self, iteration: int, pass_at_1: float) -> bool:
+        """One eval's result, its policy current; a new best's is saved when saving is on. True when it is a
+        new best."""
         if not self._observe(iteration, pass_at_1):
             return False
         if self.save:
             tmp = self.root / f"it{iteration}.tmp"
             if tmp.exists():
                 shutil.rmtree(tmp)
-            write(tmp)
+            self._write(tmp)
             dest = self.root / f"it{iteration}"
             if dest.exists():  # the same iteration saved by an attempt that was interrupted after it
                 shutil.rmtree(dest)
@@ -81,12 +82,12 @@ class BestPolicy:
         p = self.root / f"it{self.iteration}"
         return p if p.is_dir() else None
 
-    def write_final(self, dest: Path, write_last: Callable[[Path], None]) -> Path:
-        """final/: a copy of the best eval's saved policy when saving is on and there is one, else
-        write_last(dest) (the last iteration's)."""
+    def write_final(self, dest: Path) -> Path:
+        """final/: a copy of the best eval's saved policy when saving is on and there is one, else the current
+        (last) policy."""
         best = self.path() if self.save else None
         if best is None:
-            write_last(dest)
+            self._write(dest)
             return dest
         if dest.exists():
             shutil.rmtree(dest)

@@ -245,10 +245,12 @@ class GRPOLoop:
             self.dp.close()
 
     def _iterate(self, start: int) -> dict:
+        from core.hf import save_policy
         from deploy.best_policy import BestPolicy
 
         lp = self.cfg.loop
-        self.best = BestPolicy(self.out / "best", save=lp.final == "best")
+        self.best = BestPolicy(self.out / "best", save=lp.final == "best",
+                               write=lambda d: save_policy(self.eval_model, self.tok, d))
         self.best.resume([(r["iteration"], r["eval_pass_at_1"]) for r in self.run.read_metrics()
                           if r.get("stage") == "eval"], start)
         if start and self.best.exhausted(lp.patience):
@@ -256,7 +258,7 @@ class GRPOLoop:
         last_eval = None
         if start == 0:
             last_eval = self._evaluate(0, self.group.weights())
-            self._track_best(0, last_eval)
+            self.best.observe(0, last_eval["eval_pass_at_1"])
         roll, done = None, start
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if lp.async_rollouts else None
         try:
@@ -290,7 +292,7 @@ class GRPOLoop:
                     self.run.log(stage="budget", iteration=done, time_budget_s=lp.time_budget_s)
                 if (lp.eval_every and done % lp.eval_every == 0) or done == self.iterations:
                     last_eval = self._evaluate(done, weights)
-                    self._track_best(done, last_eval)
+                    self.best.observe(done, last_eval["eval_pass_at_1"])
                     if self.best.exhausted(lp.patience) and done < self.iterations:
                         self.iterations = done  # no new best for loop.patience evals: end here as at --iterations
                         self.run.log(stage="patience", iteration=done, best_iteration=self.best.iteration,
@@ -309,12 +311,10 @@ class GRPOLoop:
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
-        from core.hf import save_policy
-
         final = None
         if done == self.iterations:
             self.eval_model.load_state_dict(self.group.weights())
-            final = str(self.best.write_final(self.out / "final", lambda d: save_policy(self.eval_model, self.tok, d)))
+            final = str(self.best.write_final(self.out / "final"))
         self.run.plot("iteration", ["reward_mean", "solve_rate", "eval_pass_at_1"], "grpo.png",
                       title=f"GRPO on {self.domain}")
         disk = {"run_dir_mb": self._run_dir_mb(), "run_dir_mb_max": self.run_dir_mb_max,
@@ -456,12 +456,6 @@ class GRPOLoop:
             shown = "  ".join(f"{d} {r['pass_at_1']:.3f}" for d, r in res.items())
             print(f"grpo {self.domain} iteration {iteration}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
         return row
-
-    def _track_best(self, iteration: int, row: dict) -> None:
-        """After an eval (its weights are in eval_model): a new best is saved when final/ is to hold it."""
-        from core.hf import save_policy
-
-        self.best.observe(iteration, row["eval_pass_at_1"], lambda d: save_policy(self.eval_model, self.tok, d))
 
     def _truncate_metrics(self, start: int) -> None:
         """Drop metric rows of iterations after the checkpoint (they are run again)."""

@@ -194,10 +194,14 @@ class OPDLoop:
             self.dp.close()
 
     def _iterate(self, start: int) -> dict:
+        from core.hf import save_policy
         from deploy.best_policy import BestPolicy
 
         lp = self.cfg.loop
-        self.best = BestPolicy(self.out / "best", save=lp.final == "best")
+        self.best = BestPolicy(self.out / "best", save=lp.final == "best",
+                               write=lambda d: save_policy(self.eval_model, self.tok, d))
+        self.teacher_best = {d: max((self.teacher_pass.get(t.name, 0.0) for t in self.teachers if t.domain == d),
+                                    default=0.0) for d in self.domains}  # each domain's best teacher, own pass@1
         self.best.resume([(r["iteration"], r["eval_retention_min"]) for r in self.run.read_metrics()
                           if r.get("stage") == "eval" and "eval_retention_min" in r], start)
         last_eval = self._evaluate(0, self.group.weights()) if start == 0 else None
@@ -243,12 +247,10 @@ class OPDLoop:
                     self.storage.publish_checkpoint(saved)
             if stop or done == self.iterations:
                 break
-        from core.hf import save_policy
-
         final = None
         if done == self.iterations:
             self.eval_model.load_state_dict(self.group.weights())
-            final = str(self.best.write_final(self.out / "final", lambda d: save_policy(self.eval_model, self.tok, d)))
+            final = str(self.best.write_final(self.out / "final"))
         self.plot()
         if self.storage is not None:
             if final:
@@ -419,15 +421,12 @@ class OPDLoop:
             res = evaluate(self.eval_model, self.tok, d, self.cfg.eval)
             row[f"eval_pass_at_1_{d}"] = res["pass_at_1"]
         row["eval_pass_at_1_min"] = min(row.values())
-        kept = [row[f"eval_pass_at_1_{d}"] / best for d in self.domains
-                if (best := max((self.teacher_pass.get(t.name, 0.0) for t in self.teachers if t.domain == d), default=0.0)) > 0]
+        kept = [row[f"eval_pass_at_1_{d}"] / self.teacher_best[d] for d in self.domains if self.teacher_best[d] > 0]
         if kept:  # the student over the best of its teachers, on the domain it keeps least of
             row["eval_retention_min"] = min(kept)
         self.run.log(stage="eval", iteration=iteration, **row, eval_n=self.cfg.eval.n, eval_s=round(time.monotonic() - t0, 3))
         if "eval_retention_min" in row:
-            from core.hf import save_policy
-
-            self.best.observe(iteration, row["eval_retention_min"], lambda d: save_policy(self.eval_model, self.tok, d))
+            self.best.observe(iteration, row["eval_retention_min"])
         if not self.quiet:
             shown = "  ".join(f"{d} {row[f'eval_pass_at_1_{d}']:.3f}" for d in self.domains)
             print(f"opd iteration {iteration}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
