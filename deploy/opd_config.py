@@ -35,6 +35,9 @@ class OPDLoop(Config):
                                                      "domain's samples: long completions that drift a little at "
                                                      "every token weigh what their whole answer drifts)")
     mixture_floor: float = Field(0.15, ge=0.0, le=1.0, description="share every domain keeps under mixture = kl")
+    async_rollouts: bool = Field(False, description="roll out batch k+1 (in a thread driving the Ray pool) while "
+                                 "the teachers prefill and the learner trains on batch k: samples one policy version "
+                                 "behind, and the kl mixture follows the KL of two iterations back")
     minibatches: int = Field(2, ge=1, le=4096, description="optimizer steps per iteration (teacher-ordered minibatches)")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals on every domain "
                                                                "(0 = only first and last)")

@@ -15,6 +15,12 @@ One iteration k:
      one optimizer step each (distill/opd_learner.py); one teacher head resident at a time.
   4. The learner group publishes policy version v+1 to the pool.
 
+With `loop.async_rollouts` batch k+1 is rolled out (in a thread driving the Ray pool) while the
+teachers prefill batch k and the learner trains on it: its tokens are sampled one policy version behind
+(`staleness_max` in the train row), its mixture follows the KL that iteration k-1 logged, and weights
+reach the workers between rollout batches only. A checkpoint is written once the batch after it is
+complete, so a resumed run finds that batch as the uninterrupted run sampled it.
+
 Resume: from `OUT/checkpoints/latest`, as `postrain grpo` (the same teacher set is required). A URI run
 directory (deploy/run_storage.py) is laid out as grpo's: checkpoints, final/ and the run files are published
 there, the data plane's shards (the teacher hidden-state cache among them) are written there directly, and
@@ -28,6 +34,7 @@ import json
 import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -205,48 +212,61 @@ class OPDLoop:
         self.best.resume([(r["iteration"], r["eval_retention_min"]) for r in self.run.read_metrics()
                           if r.get("stage") == "eval" and "eval_retention_min" in r], start)
         last_eval = self._evaluate(0, self.group.weights()) if start == 0 else None
-        self._kl_row = {} if start == 0 else None  # the KL row `_mixture` reads (None: read it back once)
-        done = start
-        for k in range(start, self.iterations):
-            t0 = time.monotonic()
-            mix = self._mixture(k)
-            requests = make_requests(self.cfg, self.domains, k, mix)
-            roll = {}
-            if not self._complete(k, len(requests)):
-                self._drop(batch_name(k))
-                roll = self._rollout(k, requests)
-            sampled = self._sampled(k, requests)
-            cache = self._fill(k, sampled)
-            t_train = time.monotonic()
-            train = self._train(k, sampled)
-            shares = domain_shares(lp.prompts_per_iteration, self.domains, mix) if mix else {}
-            train |= {f"prompts_{d}": n for d, n in shares.items()}  # the row the next mixture reads
-            self._kl_row = train
-            t1 = time.monotonic()
-            weights, version = self.group.publish()
-            self.pool.update_weights(weights, version)
-            self.dp.publish_policy_version(batch_name(k), version)
-            rewards_by_domain = {}
-            for s in sampled:
-                rewards_by_domain.setdefault(s.domain, []).append(s.reward)
-            self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **cache, **train,
-                         **{f"reward_{d}": float(np.mean(r)) for d, r in sorted(rewards_by_domain.items())},
-                         train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
-            done = k + 1
-            if lp.time_budget_s and done < self.iterations and self._over_budget(time.monotonic() - t0):
-                self.iterations = done
-                self.run.log(stage="budget", iteration=done, time_budget_s=lp.time_budget_s)
-            if (lp.eval_every and done % lp.eval_every == 0) or done == self.iterations:
-                last_eval = self._evaluate(done, weights)
-            stop = done == self.stop_after
-            if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
-                saved = self.group.save_checkpoint(self.run.checkpoints, done)
-                self.best.after_checkpoint(done)
-                self._reclaim(done)
-                if self.storage is not None:  # every checkpoint is kept, as in a local run directory
-                    self.storage.publish_checkpoint(saved)
-            if stop or done == self.iterations:
-                break
+        self._kl_rows: dict[int, dict] = {0: {}}  # train rows by the iteration they logged, as `_mixture` reads them
+        self._mixes: dict[int, dict[str, float] | None] = {}
+        done, batch = start, None
+        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if lp.async_rollouts else None
+        try:
+            for k in range(start, self.iterations):
+                t0 = time.monotonic()
+                if batch is None:  # not rolled out ahead: now (a partial batch of an interrupted attempt goes first)
+                    requests, todo = self._batch(k)
+                    batch = (requests, self._rollout(k, requests) if todo else {})
+                requests, roll = batch
+                ahead = None
+                if executor is not None and k + 1 < self.iterations:  # batch k+1 samples while k trains
+                    nxt_requests, todo = self._batch(k + 1)
+                    ahead = executor.submit(self._rollout, k + 1, nxt_requests) if todo else None
+                sampled = self._sampled(k, requests)
+                cache = self._fill(k, sampled)
+                t_train = time.monotonic()
+                train = self._train(k, sampled)
+                mix = self._mixes.pop(k)
+                shares = domain_shares(lp.prompts_per_iteration, self.domains, mix) if mix else {}
+                train |= {f"prompts_{d}": n for d, n in shares.items()}  # the row a later mixture reads
+                self._kl_rows = {k + 1: train}
+                t1 = time.monotonic()
+                weights, version = self.group.publish()
+                if executor is not None and k + 1 < self.iterations:
+                    batch = (nxt_requests, ahead.result() if ahead is not None else {})  # before the weights change
+                else:
+                    batch = None
+                self.pool.update_weights(weights, version)
+                self.dp.publish_policy_version(batch_name(k), version)
+                rewards_by_domain = {}
+                for s in sampled:
+                    rewards_by_domain.setdefault(s.domain, []).append(s.reward)
+                self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **cache, **train,
+                             **{f"reward_{d}": float(np.mean(r)) for d, r in sorted(rewards_by_domain.items())},
+                             train_s=round(t1 - t_train, 3), iteration_s=round(time.monotonic() - t0, 3))
+                done = k + 1
+                if lp.time_budget_s and done < self.iterations and self._over_budget(time.monotonic() - t0):
+                    self.iterations = done
+                    self.run.log(stage="budget", iteration=done, time_budget_s=lp.time_budget_s)
+                if (lp.eval_every and done % lp.eval_every == 0) or done == self.iterations:
+                    last_eval = self._evaluate(done, weights)
+                stop = done == self.stop_after
+                if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
+                    saved = self.group.save_checkpoint(self.run.checkpoints, done)  # batch `done` is complete by now
+                    self.best.after_checkpoint(done)
+                    self._reclaim(done)
+                    if self.storage is not None:  # every checkpoint is kept, as in a local run directory
+                        self.storage.publish_checkpoint(saved)
+                if stop or done == self.iterations:
+                    break
+        finally:
+            if executor is not None:
+                executor.shutdown(wait=True)
         final = None
         if done == self.iterations:
             self.eval_model.load_state_dict(self.group.weights())
@@ -262,18 +282,31 @@ class OPDLoop:
                 "eval": evals, "last_eval": last_eval,
                 "best": {"iteration": self.best.iteration, "retention_min": self.best.value, "final": lp.final}}
 
+    def _batch(self, k: int) -> tuple[list, bool]:
+        """Batch k's requests (drawn from its mixture) and whether it still has to be rolled out (an
+        incomplete batch of an interrupted attempt is dropped first)."""
+        self._mixes[k] = mix = self._mixture(k)
+        requests = make_requests(self.cfg, self.domains, k, mix)
+        if self._complete(k, len(requests)):
+            return requests, False
+        self._drop(batch_name(k))
+        return requests, True
+
     def _mixture(self, k: int) -> dict[str, float] | None:
-        """Iteration k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from
-        the per-teacher KL that iteration k-1 logged (kept from its train row; a resumed run reads it back
-        from metrics.jsonl, and JSON keeps the floats exact), so that it draws what the uninterrupted run
-        drew."""
+        """Batch k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from the
+        per-teacher KL of the last train row logged before batch k is drawn: iteration k-1's, or k-2's when
+        batch k is rolled out one step ahead (`loop.async_rollouts`). A resumed run reads that row back from
+        metrics.jsonl (JSON keeps the floats exact), so it draws what the uninterrupted run drew."""
         lp = self.cfg.loop
         if lp.mixture != "kl":
             return None
-        if self._kl_row is None:  # a resumed run: the row iteration k-1 logged, read back once
-            self._kl_row = next((r for r in self.run.read_metrics()
-                                 if r.get("stage") == "train" and r.get("iteration") == k), {})
-        kl = domain_kl(self._kl_row, [(t.name, t.domain, t.weight) for t in self.teachers], self.domains,
+        logged = max(0, k - 1 if lp.async_rollouts else k)  # the `iteration` of the row that KL comes from
+        row = self._kl_rows.get(logged)
+        if row is None:  # a resumed run: the row that iteration logged, read back once
+            row = next((r for r in self.run.read_metrics()
+                        if r.get("stage") == "train" and r.get("iteration") == logged), {})
+            self._kl_rows[logged] = row
+        kl = domain_kl(row, [(t.name, t.domain, t.weight) for t in self.teachers], self.domains,
                        lp.mixture_kl, lp.samples_per_prompt)
         return kl_weights(self.domains, kl, lp.mixture_floor)
 

@@ -112,6 +112,23 @@ def test_sigkilled_and_resumed_run_repeats_the_calm_metrics(tmp_path, models, ca
     assert [_seeded(r) for r in _rows(calm, "eval")] == [_seeded(r) for r in _rows(out, "eval")]
 
 
+def test_one_step_off_run_samples_ahead_and_resumes_exactly(tmp_path, models):
+    cfg = _cfg("loop.async_rollouts=true")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_opd(cfg, models["student"], _teachers(models), straight, iterations=3, quiet=True)
+    train = _rows(straight, "train")
+    assert [r["staleness_max"] for r in train] == [0, 1, 1]  # batches after the first sample beside the learner
+    # the mixture of batch k follows the KL of batch k-2: the first two draw equal shares
+    assert [(r["prompts_arith"], r["prompts_calc"]) for r in train][:2] == [(3, 3), (3, 3)]
+    more = "arith" if train[0]["kl_arith:0"] > train[0]["kl_calc:0"] else "calc"
+    assert train[2][f"prompts_{more}"] >= 3
+    first = run_opd(cfg, models["student"], _teachers(models), resumed, iterations=3, quiet=True, stop_after=1)
+    assert first["final"] is None
+    run_opd(cfg, models["student"], _teachers(models), resumed, iterations=3, quiet=True, resume=True)
+    assert [_seeded(r) for r in train] == [_seeded(r) for r in _rows(resumed, "train")]
+    assert [_seeded(r) for r in _rows(straight, "eval")] == [_seeded(r) for r in _rows(resumed, "eval")]
+
+
 def test_damaged_cache_shards_are_recomputed(tmp_path, models):
     import dataplane
     from distill.prefill import Prefillers, damaged_rows, fill_cache
