@@ -4,7 +4,9 @@ of the same bytes (the limit) and SQLite (WAL mode, synchronous=FULL), plus reco
 Workload: each step appends B tokens (+ log-probs) to a trajectory and commits (one commit per step).
 Also measured, without a target: the batched-decode shape (B trajectories get one token each per
 step, one commit per step), once with one `append` per trajectory (`inproc_batched`) and once with
-one `append_step` call per step (`inproc_step`); the recovery of a log of such steps (`recovery_scan_steps`);
+one `append_step` call per step, on a fresh log (`inproc_step`: it zero-fills each new 1 MiB extent) and on a
+log in steady state (`inproc_step_steady`: it writes over a recycled segment, as a long run does; the
+targets' measurement); the recovery of a log of such steps (`recovery_scan_steps`);
 and two I/O references: the same bytes written over a
 zero-filled file + fdatasync (`raw_prealloc_fdatasync`, the WAL's own I/O pattern) and a 1-byte in-place
 rewrite + fdatasync (`floor_1byte_fdatasync`, the cheapest durable commit the disk allows). Configurations of one B are interleaved and repeated (`--rounds`), and
@@ -178,6 +180,52 @@ def inproc_step(d: Path, b: int, seconds: float) -> float:
             w.append_step(ids, base + i, toks, lps, 0)
             w.commit()
         return _timed(seconds, step)
+    finally:
+        w.close()
+
+
+def _steady_log(d: Path) -> "wal.TokenWAL":
+    """A log in the steady state of a long rollout run, set up untimed (as the baseline's file is zero-filled
+    untimed): a trajectory that finished filled the first segment, retention reclaimed it, and the log
+    has rolled into it, so appends overwrite a recycled segment (`recycle_segments`, the default)."""
+    w = wal.open(d / "steady")
+    chunk = 1 << 16
+    toks, lps = np.zeros(chunk, dtype=np.int32), np.full(chunk, -1.0)
+    n = 0
+    while w.stats()["segments"] < 2:
+        w.append("warm", n, toks, lps, 0)
+        w.commit()
+        n += chunk
+    w.finalize("warm")
+    w.reclaim()
+    if w.stats()["recycled_segments"] < 1:
+        raise RuntimeError("bench.wal: the reclaimed segment was not recycled")
+    n, used = 0, w.stats()["spares_used"]
+    while w.stats()["spares_used"] == used:  # fill the second segment's reserve: the log rolls into the recycled one
+        w.append("fill", n, toks[:4096], lps[:4096], 0)
+        w.commit()
+        n += 4096
+    return w
+
+
+def inproc_step_steady(d: Path, b: int, seconds: float) -> float:
+    """inproc_step on a log in steady state (`_steady_log`): the step's bytes go over a recycled segment's
+    blocks, as the baseline's go over a zero-filled file's. The measured steps must fit in that segment
+    (64 MiB: ~3,900 steps at B = 512); the run fails rather than measure a fresh segment."""
+    toks, lps = _step_arrays(b)
+    ids = _step_ids(b)
+    w = _steady_log(d)
+    try:
+        segs = w.stats()["segments"]
+        base = np.zeros(b, dtype=np.int64)
+
+        def step(i):
+            w.append_step(ids, base + i, toks, lps, 0)
+            w.commit()
+        rate = _timed(seconds, step)
+        if w.stats()["segments"] != segs:
+            raise RuntimeError("bench.wal: the steady-state steps ran past the recycled segment; use fewer --seconds")
+        return rate
     finally:
         w.close()
 
@@ -430,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         modes = {"raw_fsync": raw_fsync, "inproc": inproc, "sqlite_rows": sqlite_rows, "sqlite_blob": sqlite_blob,
                  "raw_prealloc_fdatasync": raw_prealloc, "floor_1byte_fdatasync": floor_1byte}
         step_modes = {"raw_prealloc_step_fdatasync": raw_prealloc_step, "inproc_step": inproc_step,
+                      "inproc_step_steady": inproc_step_steady,
                       "inproc_step_lists": inproc_step_lists, "inproc_batched": inproc_batched}
         bs = [int(x) for x in args.bs.split(",")]
         for b in bs:
@@ -458,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
             if b > 1:  # the batched-decode shape against the same bytes written the WAL's way
                 cfg["paired_ratio_step_vs_raw_prealloc_step_fdatasync"] = round(statistics.median(
                     i / r for i, r in zip(runs["inproc_step"], runs["raw_prealloc_step_fdatasync"])), 3)
+                cfg["paired_ratio_step_steady_vs_raw_prealloc_step_fdatasync"] = round(statistics.median(
+                    i / r for i, r in zip(runs["inproc_step_steady"], runs["raw_prealloc_step_fdatasync"])), 3)
             # the best any one-commit-per-step log could do against SQLite on this disk right now
             cfg["paired_ratio_floor_vs_sqlite_rows"] = round(statistics.median(
                 f / r for f, r in zip(runs["floor_1byte_fdatasync"], runs["sqlite_rows"])), 3)
@@ -497,16 +548,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     c512, c64 = result["configs"]["b512"], result["configs"]["b64"]
-    s512 = c512["paired_ratio_step_vs_raw_prealloc_step_fdatasync"]
-    s64 = c64["paired_ratio_step_vs_raw_prealloc_step_fdatasync"]
+    s512 = c512["paired_ratio_step_steady_vs_raw_prealloc_step_fdatasync"]
+    s64 = c64["paired_ratio_step_steady_vs_raw_prealloc_step_fdatasync"]
     r_blob = c512["paired_ratio_inproc_vs_sqlite_blob"]
     r_grpc = result["grpc"]["b512_paired_ratio_4_vs_1"]
     scan = result["recovery_scan"]["cold_mb_s"]
     # The targets compare against the strongest baseline doing the same work (the WAL's own I/O pattern,
     # SQLite's best layout, a cold page cache); the weaker comparisons stay in `configs` as context.
     result["targets"] = {
-        "step_b512_vs_raw_fdatasync": {"value": s512, "goal": ">= 0.9 (append_step of 512 trajectories x 1 token + commit, "
-                                       "steps/s over pwrite of the same bytes into a zero-filled file + fdatasync; median of paired rounds)",
+        "step_b512_vs_raw_fdatasync": {"value": s512, "goal": ">= 0.9 (append_step of 512 trajectories x 1 token + commit "
+                                       "on a log in steady state (writing over a recycled segment), steps/s over pwrite of "
+                                       "the same bytes into a zero-filled file + fdatasync; median of paired rounds)",
                                        "met": s512 >= 0.9},
         "step_b64_vs_raw_fdatasync": {"value": s64, "goal": ">= 0.9 (the same at 64 trajectories)", "met": s64 >= 0.9},
         "inproc_vs_sqlite_blob_b512": {"value": r_blob, "goal": ">= 2 (512 tokens per step, tokens/s over SQLite with one blob "

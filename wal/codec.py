@@ -62,6 +62,7 @@ MAX_ID_BYTES = 1024
 MAX_LSN_JUMP = 1 << 40  # resync sanity bound: a valid frame's lsn is close to the last good one
 
 SEGMENT_MAGIC = b"PTWALSG1"
+RECYCLED_MAGIC = b"PTWALSR1"  # a segment written over a reclaimed one: frames of lower lsns may follow its end
 SEGMENT_HEAD = struct.Struct("<8sQI")  # magic, base lsn, crc32c(magic + base)
 SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
 
@@ -385,33 +386,65 @@ def iter_frames(buf: bytes, off: int, expect_lsn: int | None) -> Iterator[tuple[
         expect_lsn = rec.lsn + 1
 
 
-def find_valid_after(buf: bytes, off: int, last_lsn: int, stop: int | None = None) -> int | None:
+def find_valid_after(buf, off: int, last_lsn: int, stop: int | None = None, dense: bool = False) -> int | None:
     """The first offset > `off` (and < `stop`, when given) where a checksum-valid frame with a later lsn
     starts, else None. (A frame starting at or after the last non-zero byte has a zero length: invalid.)
 
     Used to tell a torn tail (nothing valid follows) from corruption in the middle (valid records
-    follow the bad one). Cheap header checks reject almost every offset before any CRC is computed.
+    follow the bad one). Vectorised header checks (the lsn within reach of `last_lsn`, a known record
+    type, a length that fits) leave few offsets for the checksum, also across megabytes of a recycled
+    segment's stale frames (whose lsns are lower). `dense`: the lsns after `last_lsn` are consecutive (a
+    segment), so a valid frame's lsn is at most one per smallest frame above it.
     """
     n = len(buf)
     hi = n - FRAME.size - BODY.size + 1
-    for p in range(off + 1, hi if stop is None else min(hi, stop)):
-        body_len, _ = FRAME.unpack_from(buf, p)
-        if body_len < BODY.size or body_len > MAX_BODY_BYTES or p + FRAME.size + body_len > n:
-            continue
-        lsn, kind = BODY.unpack_from(buf, p + FRAME.size)
-        if not (last_lsn < lsn <= last_lsn + MAX_LSN_JUMP) or kind not in RECORD_TYPES:
-            continue
+    hi = hi if stop is None else min(hi, stop)
+    for p in _frame_candidates(buf, off + 1, hi, last_lsn, dense):
         rec, _, err = read_frame(buf, p, None)
         if err is None:
             return p
     return None
 
 
-def later_flush_after(buf: bytes, off: int, lsn: int, stop: int | None = None) -> int | None:
+def _frame_candidates(buf, lo: int, hi: int, last_lsn: int, dense: bool):
+    """Offsets p in [lo, hi), ascending, where a frame header with an lsn in (last_lsn, last_lsn + jump], a
+    known record type and a body that fits could start (jump: MAX_LSN_JUMP, or when `dense` how many of
+    the smallest frames fit in the rest of the buffer); yielded per 1 MiB, so an early hit ends the search."""
+    n = len(buf)
+    if hi <= lo:
+        return
+    jump = min(MAX_LSN_JUMP, (n - lo) // (FRAME.size + BODY.size) + 1) if dense else MAX_LSN_JUMP
+    data = np.frombuffer(buf, dtype=np.uint8)
+    kinds = np.zeros(256, dtype=bool)
+    kinds[list(RECORD_TYPES)] = True
+    chunk = 1 << 20
+    for start in range(lo, hi, chunk):
+        end = min(hi, start + chunk)
+        found = []
+        for r in range(8):  # the u64 lsn at p + 8 read at each of the eight alignments
+            q = start + FRAME.size + r
+            count = (end - start - r + 7) // 8
+            if count <= 0:
+                continue
+            lsn = np.frombuffer(buf, dtype="<u8", count=count, offset=q)
+            ok = np.flatnonzero(lsn - np.uint64(last_lsn + 1) < np.uint64(jump))  # lower lsns wrap around: huge
+            if ok.size:
+                found.append(start + r + 8 * ok)
+        if not found:
+            continue
+        ps = np.sort(np.concatenate(found))
+        ps = ps[kinds[data[ps + FRAME.size + 8]]]
+        body = (data[ps].astype(np.int64) | data[ps + 1].astype(np.int64) << 8 | data[ps + 2].astype(np.int64) << 16
+                | data[ps + 3].astype(np.int64) << 24)
+        ps = ps[(body >= BODY.size) & (body <= MAX_BODY_BYTES) & (ps + FRAME.size + body <= n)]
+        yield from ps.tolist()
+
+
+def later_flush_after(buf, off: int, lsn: int, stop: int | None = None) -> int | None:
     """The offset of the first valid frame after `off` (before `stop`) that starts a flush and has an lsn
     above `lsn`, else None. Such a frame was written after the flush holding `lsn` was durable."""
     while True:
-        p = find_valid_after(buf, off, lsn, stop)
+        p = find_valid_after(buf, off, lsn, stop, dense=True)
         if p is None:
             return None
         prev = lsn
@@ -425,19 +458,24 @@ def later_flush_after(buf: bytes, off: int, lsn: int, stop: int | None = None) -
         off = p
 
 
-def encode_segment_header(base_lsn: int) -> bytes:
-    head = SEGMENT_MAGIC + struct.pack("<Q", base_lsn)
-    return SEGMENT_HEAD.pack(SEGMENT_MAGIC, base_lsn, crc32c(head))
+def encode_segment_header(base_lsn: int, recycled: bool = False) -> bytes:
+    magic = RECYCLED_MAGIC if recycled else SEGMENT_MAGIC
+    return SEGMENT_HEAD.pack(magic, base_lsn, crc32c(magic + struct.pack("<Q", base_lsn)))
 
 
-def decode_segment_header(buf: bytes) -> int:
-    """The base lsn of a segment; raises CodecError when the header is short or damaged."""
+def segment_header(buf) -> tuple[int, bool]:
+    """(base lsn, recycled) of a segment; raises CodecError when the header is short or damaged."""
     if len(buf) < SEGMENT_HEAD_BYTES:
         raise CodecError(f"segment header is {len(buf)} bytes, expected {SEGMENT_HEAD_BYTES}")
     magic, base, crc = SEGMENT_HEAD.unpack_from(buf, 0)
-    if magic != SEGMENT_MAGIC or crc32c(buf[:16]) != crc:
+    if magic not in (SEGMENT_MAGIC, RECYCLED_MAGIC) or crc32c(buf[:16]) != crc:
         raise CodecError("segment header damaged (bad magic or checksum)")
-    return base
+    return base, magic == RECYCLED_MAGIC
+
+
+def decode_segment_header(buf) -> int:
+    """The base lsn of a segment; raises CodecError when the header is short or damaged."""
+    return segment_header(buf)[0]
 
 
 def pack_tokens(tokens) -> bytes:

@@ -22,6 +22,11 @@ whose batch would run past the reserve then rolls into the ready spare instead o
 (header + fdatasync + rename: no zero-fill inline), and so does a roll at the cap; the sealed segment's
 unused reserve is cut by the helper afterwards. Without a spare ready, commits grow the file as above.
 
+Recycling (`recycle_segments`, on by default): a segment that retention reclaims whole, of at least
+`segment_bytes`, becomes the spare instead of being deleted (segments.recycle), unless a spare is held
+already: the log then moves on into blocks that exist, with no zeros written and no size change to
+journal, once its reclaimed segments come round (as PostgreSQL renames old WAL segments into future ones).
+
 A failed write or fsync poisons the log (after a failed fsync the kernel may have dropped the dirty
 pages, so the durable state is unknown): every later call raises LogClosedError; reopen to recover.
 """
@@ -44,7 +49,7 @@ from wal.types import Record
 class Log:
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
                  repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20,
-                 spare_segments: bool = False):
+                 spare_segments: bool = False, recycle_segments: bool = True):
         self.directory = Path(directory)
         if not self.directory.exists():
             fileio.makedirs(self.directory)
@@ -85,10 +90,12 @@ class Log:
         self.fsyncs = 0
         self.bytes_written = 0
         self.spares_used = 0
+        self.segments_recycled = 0
+        self.recycle_segments = recycle_segments
         self._active_path = self._segments[-1][1]
         # the spare segment and the sealed segments still to trim, handed over under _spare_lock
         self._spare_lock = threading.Lock()
-        self._spare: tuple[int, int] | None = None  # (fd, size) of a ready spare
+        self._spare: tuple[int, int, str] | None = None  # (fd, size, file name) of a ready spare
         self._spare_wanted = False
         self._trims: list[tuple[Path, int]] = []
         self._helper_stop = False
@@ -198,17 +205,18 @@ class Log:
             fd = segments.create_segment(self.directory, base, self._first_extent())
             alloc = os.fstat(fd).st_size
         else:
-            fd, alloc = spare
+            fd, alloc, name = spare
             try:
-                segments.activate_spare(self.directory, fd, base)
+                segments.activate_spare(self.directory, fd, base, name, recycled=name != segments.SPARE_NAME)
             except BaseException:
                 fileio.close(fd)
                 raise
             self.spares_used += 1
-            with self._spare_lock:
-                if old_alloc > old_end:
-                    self._trims.append((old_path, old_end))
-            self._helper_wake.set()  # trim the sealed segment, build the next spare
+            if self._helper is not None:  # else the sealed segment keeps its reserve (recovery accepts it)
+                with self._spare_lock:
+                    if old_alloc > old_end:
+                        self._trims.append((old_path, old_end))
+                self._helper_wake.set()  # trim the sealed segment, build the next spare
         fileio.close(old_fd)
         self._fd, self._pos, self._alloc = fd, codec.SEGMENT_HEAD_BYTES, alloc
         self._active_path = self.directory / segments.segment_name(base)
@@ -241,9 +249,9 @@ class Log:
                         self._spare_wanted = False
                     continue
                 with self._spare_lock:
-                    if not self._helper_stop:
-                        self._spare, fd = (fd, self.segment_bytes), None
-                if fd is not None:
+                    if not self._helper_stop and self._spare is None:
+                        self._spare, fd = (fd, self.segment_bytes, segments.SPARE_NAME), None
+                if fd is not None:  # stopping, or a recycled segment became the spare meanwhile
                     _drop_spare(self.directory, fd)
             with self._spare_lock:
                 if self._helper_stop and not self._trims:
@@ -262,14 +270,36 @@ class Log:
         return list(self._segments)
 
     def delete_oldest(self, base: int) -> None:
-        """Remove the oldest sealed segment (its live records were copied forward and committed)."""
+        """Remove the oldest sealed segment (its live records were copied forward and committed), or keep
+        its file as the spare (`recycle_segments`)."""
         with self.mutex:
             self.check_open()
             if len(self._segments) < 2 or self._segments[0][0] != base:
                 raise AssertionError(f"segment {base} is not the oldest sealed segment")
             path = self._segments.pop(0)[1]
+        if self._recycle(path):
+            return
         fileio.unlink(path)
         fileio.fsync_dir(self.directory)
+
+    def _recycle(self, path: Path) -> bool:
+        """Make a reclaimed segment the spare when none is held and it is full size; False: delete it."""
+        if not self.recycle_segments or self.preallocate_bytes == 0:
+            return False
+        with self._spare_lock:
+            if self._spare is not None or self._helper_stop or self._closed:
+                return False
+        size = path.stat().st_size
+        if size < self.segment_bytes:
+            return False
+        fd, name = segments.recycle(self.directory, path)
+        with self._spare_lock:
+            if self._spare is None and not self._helper_stop and not self._closed:
+                self._spare, fd = (fd, size, name), None
+                self.segments_recycled += 1
+        if fd is not None:  # a spare appeared, or the log closed, meanwhile
+            _drop_spare(self.directory, fd, name)
+        return True
 
     def disk_bytes(self) -> int:
         total = 0
@@ -296,21 +326,21 @@ class Log:
 
     def _stop_helper(self) -> None:
         """Finish pending trims, then drop the spare (open would delete it anyway)."""
-        if self._helper is None:
-            return
         with self._spare_lock:
             self._helper_stop = True
-        self._helper_wake.set()
-        self._helper.join()
-        if self._spare is not None:
-            _drop_spare(self.directory, self._spare[0])
-            self._spare = None
+        if self._helper is not None:
+            self._helper_wake.set()
+            self._helper.join()
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            _drop_spare(self.directory, spare[0], spare[2])
 
 
-def _drop_spare(directory: Path, fd: int) -> None:
+def _drop_spare(directory: Path, fd: int, name: str = segments.SPARE_NAME) -> None:
     fileio.close(fd)
     try:
-        fileio.unlink(directory / segments.SPARE_NAME)
+        fileio.unlink(directory / name)
     except FileNotFoundError:
         pass
 

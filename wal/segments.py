@@ -13,6 +13,12 @@ a log sees traffic, the next segment is zero-filled ahead of time as `spare.seg.
 commit path; a roll then only writes its header, fdatasyncs and renames it. A sealed segment's unused
 reserve is cut (`trim`), possibly after the next segment exists: recovery accepts either.
 
+Recycling: a segment that retention reclaims whole is renamed to `recycle-<its name>.tmp` instead of
+deleted (one held at a time; deleted on open like any `.tmp`; a name of its own, so a recycle never
+replaces a file that a roll is still activating) and becomes the next segment without being
+zero-filled: its header, marked recycled (codec.RECYCLED_MAGIC), is written over the old one, so its
+blocks are overwritten in place and commits keep to `fdatasync`, as in a preallocated segment.
+
 Recovery rule: after the last good frame of a segment, all-zero bytes (the preallocated region, even
 just a zero frame header at the very end) are the clean end of the segment; in a sealed segment the
 next segment's base lsn must then follow on, so zeroed-out records there are still caught as a gap.
@@ -23,6 +29,12 @@ order (valid frames of that same flush after a hole included). A torn tail is cu
 non-zero byte) and kept aside. A bad frame followed by a frame that starts a later flush (codec: the
 flush mark), which proves the bad one was durable, even when the bad frame is a zero header, or any
 damage in an earlier segment, is corruption: `scan` raises CorruptionError unless `repair`.
+
+In a recycled segment the bytes after the last good frame are the old segment's frames, whose lsns lie
+below the base (a frame boundary of the new frames need not meet one of the old), so they end the segment
+like zeros do: nothing with a later lsn follows. Frames of the last, unacknowledged flush that a power cut
+left valid after a hole (lsn at or above the next one expected, no later flush after them) are a torn
+tail: kept aside and overwritten with zeros, so that no later recovery can find them behind new frames.
 """
 from __future__ import annotations
 
@@ -45,6 +57,7 @@ SEGMENT_RE = re.compile(r"^(\d{20})\.seg$")
 TORN_DIR = "torn"
 TMP_SUFFIX = ".tmp"  # a segment being built; never part of the log
 SPARE_NAME = "spare.seg" + TMP_SUFFIX  # the next segment, zero-filled ahead of time (no header yet); removed on open
+RECYCLE_PREFIX = "recycle-"  # recycle-<old name>.tmp: a reclaimed segment kept to become a later one; removed on open
 _ZEROS = bytes(1 << 20)
 
 
@@ -99,16 +112,28 @@ def build_spare(directory: Path, size: int) -> int:
     return fd
 
 
-def activate_spare(directory: Path, fd: int, base_lsn: int) -> None:
-    """Make the spare (fd from build_spare) the segment starting at `base_lsn`: its header is written over
-    the zeros and made durable (fdatasync: no size change) before the name appears (rename, directory
-    fsync), so the log never holds a segment file without a valid header and zeros after it."""
+def recycle(directory: Path, path: Path) -> tuple[int, str]:
+    """Take a reclaimed segment out of the log for reuse: renamed to `recycle-<name>.tmp` (directory
+    fsynced, as a deletion would be). Returns (write fd, new name); `activate_spare(..., recycled=True)`
+    makes it a segment again."""
+    name = RECYCLE_PREFIX + path.name + TMP_SUFFIX
+    fileio.rename(path, directory / name)
+    fileio.fsync_dir(directory)
+    return fileio.open(directory / name, os.O_WRONLY), name
+
+
+def activate_spare(directory: Path, fd: int, base_lsn: int, name: str = SPARE_NAME, recycled: bool = False) -> None:
+    """Make the spare `name` (fd from build_spare, or from `recycle` with recycled=True) the segment starting
+    at `base_lsn`: its header is written over the old bytes and made durable (fdatasync: no size change)
+    before the name appears (rename, directory fsync), so the log never holds a segment file without a
+    valid header; after it, zeros (a built spare) or the reclaimed segment's frames, whose lsns lie below
+    `base_lsn`."""
     path = directory / segment_name(base_lsn)
     if path.exists():
         raise FileExistsError(17, "segment already exists", str(path))
-    fileio.pwrite_all(fd, codec.encode_segment_header(base_lsn), 0)
+    fileio.pwrite_all(fd, codec.encode_segment_header(base_lsn, recycled), 0)
     fileio.fdatasync(fd)
-    fileio.rename(directory / SPARE_NAME, path)
+    fileio.rename(directory / name, path)
     fileio.fsync_dir(directory)
 
 
@@ -264,7 +289,7 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
     report.bytes += len(buf)
     problem = None
     try:
-        head_base = codec.decode_segment_header(buf)
+        head_base, recycled = codec.segment_header(buf)
         if head_base != base:
             problem = f"header names base lsn {head_base} but the file name says {base}"
         elif expect is not None and base != expect:
@@ -302,8 +327,18 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
             truncate(path, end)  # sealed, but the roll's truncate did not happen before a crash
         return True
     _, _, why = codec.read_frame(buf, end, expect)
-    follows = codec.find_valid_after(buf, end, expect - 1, stop) is not None
+    follows = codec.find_valid_after(buf, end, expect - 1, stop, dense=True) is not None
+    if recycled and not follows:  # the stale frames of the segment this one was written over: its end
+        report.bytes -= len(buf) - end
+        if last:
+            report.preallocated_bytes = len(buf) - end
+        elif mutate:
+            truncate(path, end)
+        return True
     if last and (not follows or codec.later_flush_after(buf, end, expect, stop) is None):
+        if recycled:  # valid frames of the torn flush lie among stale ones: zero them, keep the file's blocks
+            _cut_torn_frames(report, directory, path, buf, end, expect, stop, mutate)
+            return False
         report.torn_bytes_cut += stop - end
         report.bytes -= len(buf) - end
         if mutate:
@@ -312,6 +347,27 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
         return False
     _corrupt(report, directory, segs[i + 1:], path, end, why, follows, mutate, repair, buf)
     return False
+
+
+def _cut_torn_frames(report, directory, path, buf, end, expect, stop, mutate) -> None:
+    """The torn tail of a recycled last segment: [end, the end of the last frame with an lsn from `expect` on)
+    is kept aside and overwritten with zeros (fdatasync), so that no later recovery finds those frames
+    behind new ones; the stale frames after it stay, as the segment's reusable reserve."""
+    cut, off = end, end
+    while (p := codec.find_valid_after(buf, off, expect - 1, stop, dense=True)) is not None:
+        cut = max(cut, codec.read_frame(buf, p, None)[1])
+        off = p
+    report.torn_bytes_cut += cut - end
+    report.bytes -= len(buf) - end
+    report.preallocated_bytes = len(buf) - end
+    if mutate:
+        report.torn_files.append(str(_keep_aside(directory, f"{path.name}@{end}", buf[end:cut])))
+        fd = fileio.open(path, os.O_WRONLY)
+        try:
+            zero_fill(fd, end, cut)
+            fileio.fdatasync(fd)
+        finally:
+            fileio.close(fd)
 
 
 def _corrupt(report, directory, later, path, offset, why, follows, mutate, repair, buf=None) -> None:

@@ -42,7 +42,7 @@ class Store:
         self._stop = threading.Event()
         self.log = Log(path, segment_bytes=self.config.segment_bytes, on_record=self._replay, repair=repair,
                        on_roll=self._reclaim_wanted.set, preallocate_bytes=self.config.preallocate_bytes,
-                       spare_segments=self.config.spare_segments)
+                       spare_segments=self.config.spare_segments, recycle_segments=self.config.recycle_segments)
         try:
             self._finish_replay(repair)
             self.tokens.forgotten = tombstones.read(self.log.directory, mutate=True)
@@ -414,7 +414,8 @@ class Store:
         buf = path.read_bytes()
         recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
         end = sum(_frame_bytes(r) for r in recs) + codec.SEGMENT_HEAD_BYTES
-        if recs and segments.nonzero_end(buf, end) != end:  # only zeros may follow (a crash before the roll's truncate)
+        if recs and not codec.segment_header(buf)[1] and segments.nonzero_end(buf, end) != end:
+            # only zeros may follow (a crash before the roll's truncate); in a recycled segment, older frames
             raise CorruptionError(f"sealed segment {path} does not decode to its end; run `postrain wal verify`")
         return recs
 
@@ -472,6 +473,8 @@ class Store:
                 "fsyncs": self.log.fsyncs,
                 "bytes_written": self.log.bytes_written,
                 "reclaimed_segments": self.reclaimed_segments,
+                "recycled_segments": self.log.segments_recycled,
+                "spares_used": self.log.spares_used,  # rolls into a spare (built ahead, or recycled)
                 "copied_records": self.copied_records,
                 "scanned_segments": self.scanned_segments,
                 "recovery": {"torn_bytes_cut": self.log.report.torn_bytes_cut, "torn_files": self.log.report.torn_files,

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import wal
 
-# (segment_bytes, preallocate_bytes, spare_segments): segments preallocated whole (every roll builds a
-# segment inline), grown 1 KiB at a time, grown and rolled into spare segments built by the helper thread
-CONFIGS = ((8192, 8192, False), (12288, 1024, False), (8192, 1024, True))
+# (segment_bytes, preallocate_bytes, spare_segments, recycle_segments): segments preallocated whole (every
+# roll builds a segment inline, or takes a reclaimed one), grown 1 KiB at a time (deleted once reclaimed),
+# grown and rolled into spare segments built by the helper thread or reclaimed ones
+CONFIGS = ((8192, 8192, False, True), (12288, 1024, False, False), (8192, 1024, True, True))
 
 
 def token(traj: str, pos: int) -> int:
@@ -110,9 +111,10 @@ def check_env(env, p: Promised) -> list:
     return problems
 
 
-def log_config(segment_bytes: int, preallocate_bytes: int, spare_segments: bool) -> wal.WALConfig:
+def log_config(segment_bytes: int, preallocate_bytes: int, spare_segments: bool,
+               recycle_segments: bool = True) -> wal.WALConfig:
     return wal.WALConfig(segment_bytes=segment_bytes, preallocate_bytes=preallocate_bytes, spare_segments=spare_segments,
-                         compact_live_fraction=0.6)
+                         recycle_segments=recycle_segments, compact_live_fraction=0.6)
 
 
 def tool_call(env, rec, sb: str, seq: int) -> None:
@@ -194,12 +196,14 @@ class TokenCase:
                         lengths[t] += 1
             w.commit()
             rec.mark(("A", dict(lengths)))
-            if rng.random() < 0.06:
+            if rng.random() < 0.12:
                 done = rng.choice(sorted(lengths))
                 rec.mark(("f", done))
                 w.finalize(done)
                 rec.mark(("F", done))
                 del lengths[done]
+                if cfg.recycle_segments:  # reclaim now, in this thread: dead segments become later ones
+                    w.reclaim()
             while len(seqs) < 2:
                 seqs[f"sb-{next_id}"] = 0
                 next_id += 1

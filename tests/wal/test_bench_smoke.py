@@ -18,7 +18,7 @@ def test_bench_wal_smoke(tmp_path):
     for t in out["targets"].values():
         assert set(t) == {"value", "goal", "met"} and t["value"] > 0
     cfg = out["configs"]["b512"]
-    assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched", "inproc_step",
+    assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched", "inproc_step", "inproc_step_steady",
                                               "inproc_step_lists", "raw_prealloc_step_fdatasync", "raw_prealloc_fdatasync",
                                               "floor_1byte_fdatasync"))
     assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0 < out["recovery_scan"]["cold_mb_s"]

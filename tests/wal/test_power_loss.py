@@ -46,7 +46,8 @@ def test_a_reported_failure_is_reproduced_exactly(tmp_path):
 
 
 def test_the_workload_covers_every_segment_configuration():
-    assert [TokenCase().config(s).spare_segments for s in DEFAULT_TRIALS["wal"]["seeds"]] == [c[2] for c in CONFIGS]
+    got = [(TokenCase().config(s).spare_segments, TokenCase().config(s).recycle_segments) for s in DEFAULT_TRIALS["wal"]["seeds"]]
+    assert got == [(c[2], c[3]) for c in CONFIGS]
 
 
 def _flush_of_three(path, commit_between: bool):
