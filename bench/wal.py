@@ -47,15 +47,15 @@ def _step_arrays(b: int):
     return rng.integers(0, 150_000, b, dtype=np.int32), -rng.random(b)
 
 
-def _timed(seconds: float, step) -> float:
-    """Run step(i) until `seconds` have passed; steps per second."""
+def _timed(seconds: float, step, max_steps: int | None = None) -> float:
+    """Run step(i) until `seconds` have passed (or `max_steps` ran); steps per second."""
     i = 0
     t0 = time.perf_counter()
     end = t0 + seconds
     while True:
         step(i)
         i += 1
-        if (i & 7) == 0 and time.perf_counter() >= end:
+        if (i & 7) == 0 and (time.perf_counter() >= end or (max_steps is not None and i >= max_steps)):
             break
     return i / (time.perf_counter() - t0)
 
@@ -210,10 +210,13 @@ def _steady_log(d: Path) -> "wal.TokenWAL":
 
 def inproc_step_steady(d: Path, b: int, seconds: float) -> float:
     """inproc_step on a log in steady state (`_steady_log`): the step's bytes go over a recycled segment's
-    blocks, as the baseline's go over a zero-filled file's. The measured steps must fit in that segment
-    (64 MiB: ~3,900 steps at B = 512); the run fails rather than measure a fresh segment."""
+    blocks, as the baseline's go over a zero-filled file's. The measurement ends after `seconds` or once
+    the steps would fill that segment (64 MiB: ~3,900 steps at B = 512), whichever comes first; the run
+    fails rather than measure a fresh segment."""
     toks, lps = _step_arrays(b)
     ids = _step_ids(b)
+    frame = len(codec.encode_step_record(0, [t.encode() for t in ids], codec.pack_positions([0] * b), 0,
+                                         toks.tobytes(), lps.tobytes()))
     w = _steady_log(d)
     try:
         segs = w.stats()["segments"]
@@ -222,7 +225,7 @@ def inproc_step_steady(d: Path, b: int, seconds: float) -> float:
         def step(i):
             w.append_step(ids, base + i, toks, lps, 0)
             w.commit()
-        rate = _timed(seconds, step)
+        rate = _timed(seconds, step, max_steps=wal.WALConfig().segment_bytes // frame - 64)
         if w.stats()["segments"] != segs:
             raise RuntimeError("bench.wal: the steady-state steps ran past the recycled segment; use fewer --seconds")
         return rate
