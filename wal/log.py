@@ -302,7 +302,10 @@ class Log:
         return True
 
     def disk_bytes(self) -> int:
-        total = 0
+        """Bytes of the segment files and of a spare held (built ahead, or a recycled segment)."""
+        with self._spare_lock:
+            spare = self._spare
+        total = spare[1] if spare is not None else 0
         for _, p in self.segment_list():
             try:
                 total += p.stat().st_size
