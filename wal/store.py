@@ -414,8 +414,11 @@ class Store:
         buf = path.read_bytes()
         recs = [r for _, r in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, base)]
         end = sum(_frame_bytes(r) for r in recs) + codec.SEGMENT_HEAD_BYTES
-        if recs and not codec.segment_header(buf)[1] and segments.nonzero_end(buf, end) != end:
-            # only zeros may follow (a crash before the roll's truncate); in a recycled segment, older frames
+        if codec.segment_header(buf)[1]:  # recycled: older frames may follow, but no frame of a later lsn
+            damaged = codec.find_valid_after(buf, end - 1, recs[-1].lsn if recs else base - 1, dense=True) is not None
+        else:  # only zeros may follow (a crash before the roll's truncate)
+            damaged = bool(recs) and segments.nonzero_end(buf, end) != end
+        if damaged:
             raise CorruptionError(f"sealed segment {path} does not decode to its end; run `postrain wal verify`")
         return recs
 

@@ -148,6 +148,23 @@ def test_a_sealed_recycled_segment_with_stale_frames_after_its_end_opens(tmp_pat
     w.close()
 
 
+def test_retention_refuses_a_sealed_recycled_segment_damaged_in_the_middle(tmp_path):
+    w, live = _recycled_log(tmp_path)
+    log = w._store.log
+    recycled = log._active_path
+    while log._active_path == recycled:
+        _write(w, live, 2)
+    data = bytearray(recycled.read_bytes())
+    base = int(recycled.name.split(".")[0])
+    offs = [o for o, _ in codec.iter_frames(bytes(data), codec.SEGMENT_HEAD_BYTES, base)]
+    data[offs[len(offs) // 2] + 20] ^= 0x10  # records after it stay valid: not the segment's end
+    recycled.write_bytes(bytes(data))
+    w.finalize(live)
+    with pytest.raises(CorruptionError, match="does not decode to its end"):
+        w._store._segment_records(base, recycled)
+    w.close()
+
+
 def _stale_frames(below: int, nbytes: int) -> bytearray:
     out, lsn = bytearray(), max(0, below - 400)
     while len(out) < nbytes:
