@@ -111,14 +111,18 @@ def _step_ids(b: int) -> list[str]:
     return [f"traj-{k:06d}" for k in range(b)]
 
 
+def _step_frame(b: int) -> bytes:
+    """The STEP frame `append_step` of B trajectories x 1 token writes (as the first frame of a flush)."""
+    toks, lps = _step_arrays(b)
+    return codec.encode_step_record(0, [t.encode() for t in _step_ids(b)], codec.pack_positions([0] * b), 0,
+                                    toks.tobytes(), lps.tobytes(), codec.FLUSH_MARK)
+
+
 def raw_prealloc_step(d: Path, b: int, seconds: float) -> float:
     """The baseline of the batched-decode shape: per step, the bytes `append_step` of B trajectories x 1
-    token writes (one STEP frame, as the first frame of a flush) pwritten over a zero-filled, fsynced file,
-    then fdatasync. The WAL's own I/O pattern without the WAL."""
-    toks, lps = _step_arrays(b)
-    frame = codec.encode_step_record(0, [t.encode() for t in _step_ids(b)], codec.pack_positions([0] * b), 0,
-                                     toks.tobytes(), lps.tobytes(), codec.FLUSH_MARK)
-    return _pwrite_fdatasync(d / "raw_step.bin", 8 << 20, frame, seconds)
+    token writes (`_step_frame`) pwritten over a zero-filled, fsynced file, then fdatasync. The WAL's own
+    I/O pattern without the WAL."""
+    return _pwrite_fdatasync(d / "raw_step.bin", 8 << 20, _step_frame(b), seconds)
 
 
 def floor_1byte(d: Path, b: int, seconds: float) -> float:
@@ -215,8 +219,7 @@ def inproc_step_steady(d: Path, b: int, seconds: float) -> float:
     fails rather than measure a fresh segment."""
     toks, lps = _step_arrays(b)
     ids = _step_ids(b)
-    frame = len(codec.encode_step_record(0, [t.encode() for t in ids], codec.pack_positions([0] * b), 0,
-                                         toks.tobytes(), lps.tobytes()))
+    frame = len(_step_frame(b))
     w = _steady_log(d)
     try:
         segs = w.stats()["segments"]

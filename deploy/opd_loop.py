@@ -213,34 +213,31 @@ class OPDLoop:
                           if r.get("stage") == "eval" and "eval_retention_min" in r], start)
         last_eval = self._evaluate(0, self.group.weights()) if start == 0 else None
         self._kl_rows: dict[int, dict] = {0: {}}  # train rows by the iteration they logged, as `_mixture` reads them
-        self._mixes: dict[int, dict[str, float] | None] = {}
-        done, batch = start, None
+        done, batch = start, None  # batch: (requests, mixture, rollout row) of the iteration about to train
         executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout") if lp.async_rollouts else None
         try:
             for k in range(start, self.iterations):
                 t0 = time.monotonic()
                 if batch is None:  # not rolled out ahead: now (a partial batch of an interrupted attempt goes first)
-                    requests, todo = self._batch(k)
-                    batch = (requests, self._rollout(k, requests) if todo else {})
-                requests, roll = batch
+                    requests, mix, todo = self._batch(k)
+                    batch = (requests, mix, self._rollout(k, requests) if todo else {})
+                requests, mix, roll = batch
                 ahead = None
                 if executor is not None and k + 1 < self.iterations:  # batch k+1 samples while k trains
-                    nxt_requests, todo = self._batch(k + 1)
-                    ahead = executor.submit(self._rollout, k + 1, nxt_requests) if todo else None
+                    nxt_requests, nxt_mix, todo = self._batch(k + 1)
+                    ahead = (nxt_requests, nxt_mix, executor.submit(self._rollout, k + 1, nxt_requests) if todo else None)
                 sampled = self._sampled(k, requests)
                 cache = self._fill(k, sampled)
                 t_train = time.monotonic()
                 train = self._train(k, sampled)
-                mix = self._mixes.pop(k)
                 shares = domain_shares(lp.prompts_per_iteration, self.domains, mix) if mix else {}
                 train |= {f"prompts_{d}": n for d, n in shares.items()}  # the row a later mixture reads
                 self._kl_rows = {k + 1: train}
                 t1 = time.monotonic()
                 weights, version = self.group.publish()
-                if executor is not None and k + 1 < self.iterations:
-                    batch = (nxt_requests, ahead.result() if ahead is not None else {})  # before the weights change
-                else:
-                    batch = None
+                batch = None
+                if ahead is not None:  # its rollout done before the weights change
+                    batch = (ahead[0], ahead[1], ahead[2].result() if ahead[2] is not None else {})
                 self.pool.update_weights(weights, version)
                 self.dp.publish_policy_version(batch_name(k), version)
                 rewards_by_domain = {}
@@ -282,15 +279,15 @@ class OPDLoop:
                 "eval": evals, "last_eval": last_eval,
                 "best": {"iteration": self.best.iteration, "retention_min": self.best.value, "final": lp.final}}
 
-    def _batch(self, k: int) -> tuple[list, bool]:
-        """Batch k's requests (drawn from its mixture) and whether it still has to be rolled out (an
-        incomplete batch of an interrupted attempt is dropped first)."""
-        self._mixes[k] = mix = self._mixture(k)
+    def _batch(self, k: int) -> tuple[list, dict[str, float] | None, bool]:
+        """Batch k's requests, the mixture they were drawn from, and whether the batch still has to be rolled
+        out (an incomplete batch of an interrupted attempt is dropped first)."""
+        mix = self._mixture(k)
         requests = make_requests(self.cfg, self.domains, k, mix)
         if self._complete(k, len(requests)):
-            return requests, False
+            return requests, mix, False
         self._drop(batch_name(k))
-        return requests, True
+        return requests, mix, True
 
     def _mixture(self, k: int) -> dict[str, float] | None:
         """Batch k's domain weights under `loop.mixture = "kl"` (None: the fixed `domain_weights`): from the

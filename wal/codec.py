@@ -391,19 +391,20 @@ def find_valid_after(buf, off: int, last_lsn: int, stop: int | None = None, dens
     starts, else None. (A frame starting at or after the last non-zero byte has a zero length: invalid.)
 
     Used to tell a torn tail (nothing valid follows) from corruption in the middle (valid records
-    follow the bad one). Vectorised header checks (the lsn within reach of `last_lsn`, a known record
-    type, a length that fits) leave few offsets for the checksum, also across megabytes of a recycled
-    segment's stale frames (whose lsns are lower). `dense`: the lsns after `last_lsn` are consecutive (a
-    segment), so a valid frame's lsn is at most one per smallest frame above it.
-    """
-    n = len(buf)
-    hi = n - FRAME.size - BODY.size + 1
-    hi = hi if stop is None else min(hi, stop)
-    for p in _frame_candidates(buf, off + 1, hi, last_lsn, dense):
-        rec, _, err = read_frame(buf, p, None)
-        if err is None:
-            return p
-    return None
+    follow the bad one)."""
+    return next(valid_frames_after(buf, off, last_lsn, stop, dense), None)
+
+
+def valid_frames_after(buf, off: int, last_lsn: int, stop: int | None = None, dense: bool = False) -> Iterator[int]:
+    """Every offset > `off` (and < `stop`), ascending, where a checksum-valid frame with an lsn above
+    `last_lsn` starts. Vectorised header checks (the lsn within reach of `last_lsn`, a known record type, a
+    length that fits) leave few offsets for the checksum, also across megabytes of a recycled segment's
+    stale frames (whose lsns are lower). `dense`: the lsns after `last_lsn` are consecutive (a segment),
+    so a valid frame's lsn is at most one per smallest frame above it."""
+    hi = len(buf) - FRAME.size - BODY.size + 1
+    for p in _frame_candidates(buf, off + 1, hi if stop is None else min(hi, stop), last_lsn, dense):
+        if read_frame(buf, p, None)[2] is None:
+            yield p
 
 
 def _frame_candidates(buf, lo: int, hi: int, last_lsn: int, dense: bool):

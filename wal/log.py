@@ -207,7 +207,7 @@ class Log:
         else:
             fd, alloc, name = spare
             try:
-                segments.activate_spare(self.directory, fd, base, name, recycled=name != segments.SPARE_NAME)
+                segments.activate_spare(self.directory, fd, base, name)
             except BaseException:
                 fileio.close(fd)
                 raise

@@ -114,24 +114,24 @@ def build_spare(directory: Path, size: int) -> int:
 
 def recycle(directory: Path, path: Path) -> tuple[int, str]:
     """Take a reclaimed segment out of the log for reuse: renamed to `recycle-<name>.tmp` (directory
-    fsynced, as a deletion would be). Returns (write fd, new name); `activate_spare(..., recycled=True)`
-    makes it a segment again."""
+    fsynced, as a deletion would be). Returns (write fd, new name); `activate_spare` makes it a segment
+    again."""
     name = RECYCLE_PREFIX + path.name + TMP_SUFFIX
     fileio.rename(path, directory / name)
     fileio.fsync_dir(directory)
     return fileio.open(directory / name, os.O_WRONLY), name
 
 
-def activate_spare(directory: Path, fd: int, base_lsn: int, name: str = SPARE_NAME, recycled: bool = False) -> None:
-    """Make the spare `name` (fd from build_spare, or from `recycle` with recycled=True) the segment starting
-    at `base_lsn`: its header is written over the old bytes and made durable (fdatasync: no size change)
+def activate_spare(directory: Path, fd: int, base_lsn: int, name: str = SPARE_NAME) -> None:
+    """Make the spare `name` (fd from build_spare, or from `recycle`: its header marked recycled) the segment
+    starting at `base_lsn`: its header is written over the old bytes and made durable (fdatasync: no size change)
     before the name appears (rename, directory fsync), so the log never holds a segment file without a
     valid header; after it, zeros (a built spare) or the reclaimed segment's frames, whose lsns lie below
     `base_lsn`."""
     path = directory / segment_name(base_lsn)
     if path.exists():
         raise FileExistsError(17, "segment already exists", str(path))
-    fileio.pwrite_all(fd, codec.encode_segment_header(base_lsn, recycled), 0)
+    fileio.pwrite_all(fd, codec.encode_segment_header(base_lsn, recycled=name.startswith(RECYCLE_PREFIX)), 0)
     fileio.fdatasync(fd)
     fileio.rename(directory / name, path)
     fileio.fsync_dir(directory)
@@ -319,7 +319,10 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
     if end == len(buf):
         return True
     stop = nonzero_end(buf, end)
-    if stop == end:  # only zeros after the last record: the clean end of a preallocated segment
+    follows = stop != end and codec.find_valid_after(buf, end, expect - 1, stop, dense=True) is not None
+    if stop == end or (recycled and not follows):
+        # only zeros after the last record (the clean end of a preallocated segment), or in a recycled one the
+        # stale frames of the segment it was written over
         report.bytes -= len(buf) - end
         if last:
             report.preallocated_bytes = len(buf) - end
@@ -327,14 +330,6 @@ def _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, re
             truncate(path, end)  # sealed, but the roll's truncate did not happen before a crash
         return True
     _, _, why = codec.read_frame(buf, end, expect)
-    follows = codec.find_valid_after(buf, end, expect - 1, stop, dense=True) is not None
-    if recycled and not follows:  # the stale frames of the segment this one was written over: its end
-        report.bytes -= len(buf) - end
-        if last:
-            report.preallocated_bytes = len(buf) - end
-        elif mutate:
-            truncate(path, end)
-        return True
     if last and (not follows or codec.later_flush_after(buf, end, expect, stop) is None):
         if recycled:  # valid frames of the torn flush lie among stale ones: zero them, keep the file's blocks
             _cut_torn_frames(report, directory, path, buf, end, expect, stop, mutate)
@@ -353,10 +348,8 @@ def _cut_torn_frames(report, directory, path, buf, end, expect, stop, mutate) ->
     """The torn tail of a recycled last segment: [end, the end of the last frame with an lsn from `expect` on)
     is kept aside and overwritten with zeros (fdatasync), so that no later recovery finds those frames
     behind new ones; the stale frames after it stay, as the segment's reusable reserve."""
-    cut, off = end, end
-    while (p := codec.find_valid_after(buf, off, expect - 1, stop, dense=True)) is not None:
-        cut = max(cut, codec.read_frame(buf, p, None)[1])
-        off = p
+    cut = max((codec.read_frame(buf, p, None)[1] for p in codec.valid_frames_after(buf, end, expect - 1, stop, dense=True)),
+              default=end)
     report.torn_bytes_cut += cut - end
     report.bytes -= len(buf) - end
     report.preallocated_bytes = len(buf) - end

@@ -128,16 +128,21 @@ def test_damage_followed_by_a_later_flush_is_still_corruption(tmp_path):
     assert verify(tmp_path)["corruption"]
 
 
-def test_a_sealed_recycled_segment_with_stale_frames_after_its_end_opens(tmp_path):
-    w, live = _recycled_log(tmp_path)
+def _sealed_recycled(path):
+    """A log whose recycled segment is sealed (the log rolled on past it): (wal, live, its path, its base)."""
+    w, live = _recycled_log(path)
     log = w._store.log
     recycled = log._active_path
     while log._active_path == recycled:
         _write(w, live, 2)
+    return w, live, recycled, int(recycled.name.split(".")[0])
+
+
+def test_a_sealed_recycled_segment_with_stale_frames_after_its_end_opens(tmp_path):
+    w, live, recycled, base = _sealed_recycled(tmp_path)
     want = w.tokens(live)
     w.close()
     sealed = recycled.read_bytes()
-    base = int(recycled.name.split(".")[0])
     end = codec.SEGMENT_HEAD_BYTES + sum(codec.FRAME.size + codec.FRAME.unpack_from(sealed, o)[0]
                                          for o, _ in codec.iter_frames(sealed, codec.SEGMENT_HEAD_BYTES, base))
     tail = bytes(_stale_frames(base, 2000))
@@ -149,13 +154,8 @@ def test_a_sealed_recycled_segment_with_stale_frames_after_its_end_opens(tmp_pat
 
 
 def test_retention_refuses_a_sealed_recycled_segment_damaged_in_the_middle(tmp_path):
-    w, live = _recycled_log(tmp_path)
-    log = w._store.log
-    recycled = log._active_path
-    while log._active_path == recycled:
-        _write(w, live, 2)
+    w, live, recycled, base = _sealed_recycled(tmp_path)
     data = bytearray(recycled.read_bytes())
-    base = int(recycled.name.split(".")[0])
     offs = [o for o, _ in codec.iter_frames(bytes(data), codec.SEGMENT_HEAD_BYTES, base)]
     data[offs[len(offs) // 2] + 20] ^= 0x10  # records after it stay valid: not the segment's end
     recycled.write_bytes(bytes(data))
