@@ -10,9 +10,11 @@ no [N, N] mask is ever built. Backends:
   sdpa_docs  `F.scaled_dot_product_attention(is_causal=True)` once per sequence (flash backend on
              CUDA in bf16; any device), a launch per sequence.
 `pick_backend("auto")`: varlen on CUDA when torch has it and the compute dtype is bf16/fp16 (the
-kernel takes nothing else), else sdpa_docs on CUDA; on CPU the model's own attention (HF builds a
-block-diagonal mask from the position ids), i.e. None. A varlen call that meets fp32 tensors anyway
-(autocast off, an fp32 model) runs the sdpa_docs path instead.
+kernel takes nothing else), else sdpa_docs, on CUDA and on the CPU. The model's own attention ('hf',
+None) builds a block-diagonal [N, N] mask from the position ids and attends over the whole pack: on a
+2-core CPU a learner step of the tiny policy took 1.4-1.6x as long at 8-16 sequences of 22-70 tokens and
+4.8x at 180 sequences of 22. A varlen call that meets fp32 tensors anyway (autocast off, an fp32 model)
+runs the sdpa_docs path instead.
 """
 from __future__ import annotations
 
@@ -45,9 +47,7 @@ def pick_backend(setting: str, device: torch.device, dtype: torch.dtype | None =
     if setting == "hf":
         return None
     if setting == "auto":
-        if device.type != "cuda":
-            return None
-        return "varlen" if half and varlen_available() else "sdpa_docs"
+        return "varlen" if device.type == "cuda" and half and varlen_available() else "sdpa_docs"
     if setting not in BACKENDS:
         raise ValueError(f"attention backend {setting!r} not in {('auto', 'hf') + BACKENDS}")
     if setting == "varlen" and not (device.type == "cuda" and varlen_available()):

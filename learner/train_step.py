@@ -324,7 +324,7 @@ class Learner(Optimised):
                  ref_model: torch.nn.Module | None = None, wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
                  attention: str = "auto", compile: bool | None = None, merge_micro_batches: bool | None = None,
                  kept_head_grad: bool = True):
-        """`attention`: 'auto' (flash varlen on CUDA in bf16, per-sequence SDPA on CUDA in fp32, the model's own on CPU), 'hf' (the model's own), or a
+        """`attention`: 'auto' (flash varlen on CUDA in bf16, else per-sequence SDPA), 'hf' (the model's own), or a
         learner.packed_attention backend. `compile`: torch.compile each decoder layer; None = on CUDA.
         `merge_micro_batches`: consecutive packs that fit `micro_batch_tokens` together run as one
         micro-batch (fewer, larger launches; the update is the same, the normalisers being global);
@@ -337,6 +337,14 @@ class Learner(Optimised):
                          else contextlib.nullcontext())
         compute_dtype = (torch.bfloat16 if isinstance(self.autocast, torch.autocast)
                          else next(self.model.parameters()).dtype)
+        if cfg.learner.activation_checkpointing and attention != "hf":
+            # The backward recomputes each block after the forward's packed-attention context has closed,
+            # so the recomputation would attend with the model's own function: checkpointed blocks use it
+            # throughout (block-diagonal mask from the position ids).
+            if attention != "auto":
+                raise ValueError(f"attention {attention!r} cannot run with learner.activation_checkpointing "
+                                 "(use 'auto' or 'hf')")
+            attention = "hf"
         self.attention = pick_backend(attention, self.device, compute_dtype)
         self.merge_micro_batches = (merge_micro_batches if merge_micro_batches is not None
                                     else self.device.type == "cuda")

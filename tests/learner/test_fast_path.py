@@ -88,7 +88,9 @@ def test_fused_head_kernels_match_the_eager_chunks(with_entropy, monkeypatch):
 
 def test_backend_choice():
     cpu = torch.device("cpu")
-    assert pick_backend("auto", cpu) is None and pick_backend("hf", cpu) is None
+    # the CPU attends per sequence too: the model's own attention over the whole pack's [N, N] mask
+    # costs a multiple of it (see the module docstring)
+    assert pick_backend("auto", cpu) == "sdpa_docs" and pick_backend("hf", cpu) is None
     assert pick_backend("sdpa_docs", cpu) == "sdpa_docs"
     with pytest.raises(ValueError, match="needs CUDA"):
         pick_backend("varlen", cpu)
@@ -98,3 +100,13 @@ def test_backend_choice():
     cuda = torch.device("cuda", 0)
     assert pick_backend("auto", cuda, torch.float32) == "sdpa_docs"
     assert pick_backend("sdpa_docs", cuda, torch.float32) == "sdpa_docs"
+
+
+def test_checkpointed_blocks_attend_with_the_models_own_function():
+    # the backward recomputes a checkpointed block after the packed-attention context has closed
+    model, _ = tiny_model()
+    cfg = config(learner={"activation_checkpointing": True})
+    assert Learner(copy.deepcopy(model), cfg).attention is None
+    assert Learner(copy.deepcopy(model), config()).attention == "sdpa_docs"
+    with pytest.raises(ValueError, match="activation_checkpointing"):
+        Learner(copy.deepcopy(model), cfg, attention="sdpa_docs")
