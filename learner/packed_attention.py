@@ -12,7 +12,7 @@ no [N, N] mask is ever built. Backends:
 `pick_backend("auto")`: varlen on CUDA when torch has it and the compute dtype is bf16/fp16 (the
 kernel takes nothing else), else sdpa_docs, on CUDA and on the CPU. The model's own attention ('hf',
 None) builds a block-diagonal [N, N] mask from the position ids and attends over the whole pack: on a
-2-core CPU a learner step of the tiny policy took 1.4-1.6x as long at 8-16 sequences of 22-70 tokens and
+2-core CPU a learner step of the tiny policy took 1.2-1.6x as long at 8-16 sequences of 22-70 tokens and
 4.8x at 180 sequences of 22. A varlen call that meets fp32 tensors anyway (autocast off, an fp32 model)
 runs the sdpa_docs path instead.
 """
