@@ -34,9 +34,13 @@ class LoopConfig(Config):
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals (0 = only first and last)")
     patience: int = Field(0, ge=0, le=1_000_000, description="evals in a row without a new best pass@1 after which "
                           "the run ends as at --iterations (eval, checkpoint, final/); 0 = never (early stopping)")
-    final: Literal["last", "best"] = Field("last", description='what final/ holds: the last iteration\'s policy, or '
-                                           '"best": the policy of the best eval (kept as OUT/best/it{k}/; ties keep '
-                                           'the earlier)')
+    final: Literal["last", "best", "ema"] = Field("last", description='what final/ holds: the last iteration\'s policy; '
+                                                  '"best": the policy of the best eval (kept as OUT/best/it{k}/; ties '
+                                                  'keep the earlier); "ema": an average of every iteration\'s policy '
+                                                  '(loop.ema_decay), evaluated once more at the end')
+    ema_decay: float = Field(0.99, gt=0.0, lt=1.0, description='loop.final = "ema": the average is a uniform mean of '
+                             'the first 1 / (1 - decay) iterations\' policies, then an exponential moving average of '
+                             'that horizon')
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints (the last is always saved)")
     time_budget_s: float = Field(0.0, ge=0.0, le=1e7, description="wall-clock budget of one `postrain grpo` process, "
                                  "start-up included: no iteration starts that the last one's duration says would "

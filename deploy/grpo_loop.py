@@ -43,6 +43,7 @@ from core.errors import UserError
 from core.hf import resolve_checkpoint
 from deploy.rollout_row import rollout_row
 from deploy.grpo_config import GRPOLoopConfig
+from deploy.final_average import FinalAverage
 from deploy.mixture import domain_shares
 from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
@@ -227,8 +228,11 @@ class GRPOLoop:
         try:
             self.group = LearnerGroup(cfg.learner_config(), str(self.init), num_cpus_per_rank=0)
             start = 0
+            self.average = FinalAverage(cfg.loop.final, cfg.loop.ema_decay)
             if ckpt is not None:
                 start = int(self.group.load_checkpoint(ckpt)["iteration"])
+                if self.average.on and not self.average.resume(ckpt):
+                    self.run.log(stage="ema", iteration=start, restarted=True)  # saved under another loop.final
                 self._truncate_metrics(start)
                 self._drop_incomplete_batches(start)
                 self.pool.update_weights(self.group.weights(), self.group.policy_version)
@@ -281,6 +285,7 @@ class GRPOLoop:
                 weights, version = (self.group.publish() if train.get("optimizer_steps") else
                                     (self.group.weights(), self.group.policy_version))
                 nxt = ahead.result() if ahead is not None else None
+                self.average.update(weights)
                 self.pool.update_weights(weights, version)
                 self.dp.publish_policy_version(batch_name(k), version)
                 self.run.log(stage="train", iteration=k + 1, policy_version=version, **roll, **self._replayed.pop(k, {}), **train,
@@ -299,7 +304,7 @@ class GRPOLoop:
                                      best_pass_at_1=self.best.pass_at_1, patience=lp.patience)
                 stop = done == self.stop_after
                 if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
-                    saved = self.group.save_checkpoint(self.run.checkpoints, done)
+                    saved = self.group.save_checkpoint(self.run.checkpoints, done, extra=self.average.extra())
                     self.best.after_checkpoint(done)
                     if self.retention is not None:
                         self.retention.after_checkpoint(done)
@@ -311,10 +316,12 @@ class GRPOLoop:
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
-        final = None
+        final = final_eval = None
         if done == self.iterations:
-            self.eval_model.load_state_dict(self.group.weights())
+            self.eval_model.load_state_dict(self.average.final_weights(self.group.weights()))
             final = str(self.best.write_final(self.out / "final"))
+            if self.average.on:  # final/ is no iterate the loop evaluated: evaluate it
+                final_eval = self._evaluate(done, None, stage="final")
         self.run.plot("iteration", ["reward_mean", "solve_rate", "eval_pass_at_1"], "grpo.png",
                       title=f"GRPO on {self.domain}")
         disk = {"run_dir_mb": self._run_dir_mb(), "run_dir_mb_max": self.run_dir_mb_max,
@@ -328,7 +335,7 @@ class GRPOLoop:
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "best": {"iteration": self.best.iteration, "pass_at_1": self.best.value, "final": lp.final},
                 "eval": [{"iteration": r["iteration"], "pass_at_1": r["eval_pass_at_1"]} for r in evals],
-                "last_eval": last_eval, **disk}
+                "last_eval": last_eval, "final_eval": final_eval, **disk}
 
     def _run_dir_mb(self) -> float:
         """OUT's size on disk in MB (a catalog or store configured elsewhere is not counted)."""
@@ -439,11 +446,13 @@ class GRPOLoop:
         learner |= {"lr": steps[-1]["lr"], "optimizer_step": int(steps[-1]["step"])}
         return stats | learner | {"optimizer_steps": len(steps), "trained_trajectories": int(keep.sum())}
 
-    def _evaluate(self, iteration: int, weights: dict) -> dict:
+    def _evaluate(self, iteration: int, weights: dict | None, stage: str = "eval") -> dict:
+        """Greedy pass@1 of `weights` (None: the eval model as it is), logged as a `stage` row."""
         from learner.evaluate import evaluate
 
         t0 = time.monotonic()
-        self.eval_model.load_state_dict(weights)
+        if weights is not None:
+            self.eval_model.load_state_dict(weights)
         res = {d: evaluate(self.eval_model, self.tok, d, self.cfg.eval) for d in self.domains}
         if len(self.domains) == 1:
             r = res[self.domains[0]]
@@ -451,10 +460,11 @@ class GRPOLoop:
         else:  # a mixture: every domain's pass@1, and the worst as eval_pass_at_1
             row = {f"eval_pass_at_1_{d}": r["pass_at_1"] for d, r in res.items()}
             row |= {"eval_pass_at_1": min(row.values()), "eval_n": self.cfg.eval.n}
-        self.run.log(stage="eval", iteration=iteration, **row, eval_s=round(time.monotonic() - t0, 3))
+        self.run.log(stage=stage, iteration=iteration, **row, eval_s=round(time.monotonic() - t0, 3))
         if not self.quiet:
             shown = "  ".join(f"{d} {r['pass_at_1']:.3f}" for d, r in res.items())
-            print(f"grpo {self.domain} iteration {iteration}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
+            what = f"iteration {iteration}" if stage == "eval" else f"{stage}/ ({self.cfg.loop.final})"
+            print(f"grpo {self.domain} {what}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
         return row
 
     def _truncate_metrics(self, start: int) -> None:

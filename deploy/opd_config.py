@@ -41,10 +41,15 @@ class OPDLoop(Config):
     minibatches: int = Field(2, ge=1, le=4096, description="optimizer steps per iteration (teacher-ordered minibatches)")
     eval_every: int = Field(5, ge=0, le=1_000_000, description="iterations between pass@1 evals on every domain "
                                                                "(0 = only first and last)")
-    final: Literal["last", "best"] = Field("last", description='what final/ holds: the last iteration\'s student, or '
-                                           '"best": the one of the eval that kept most of its worst-kept teacher (the '
-                                           'lowest pass@1 over the best teacher\'s, across domains; kept as '
-                                           'OUT/best/it{k}/, ties keep the earlier)')
+    final: Literal["last", "best", "ema"] = Field("last", description='what final/ holds: the last iteration\'s '
+                                                  'student; "best": the one of the eval that kept most of its '
+                                                  'worst-kept teacher (the lowest pass@1 over the best teacher\'s, '
+                                                  'across domains; kept as OUT/best/it{k}/, ties keep the earlier); '
+                                                  '"ema": an average of every iteration\'s student (loop.ema_decay), '
+                                                  'evaluated once more at the end')
+    ema_decay: float = Field(0.99, gt=0.0, lt=1.0, description='loop.final = "ema": the average is a uniform mean of '
+                             'the first 1 / (1 - decay) iterations\' students, then an exponential moving average of '
+                             'that horizon')
     checkpoint_every: int = Field(5, ge=1, le=1_000_000, description="iterations between learner checkpoints")
     time_budget_s: float = Field(0.0, ge=0.0, le=1e7, description="wall-clock budget of one `postrain opd` process; "
                                  "no iteration starts that would overrun it; 0 = none")

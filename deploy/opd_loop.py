@@ -46,6 +46,7 @@ from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
 from dataplane.remote import is_uri
 from deploy.rollout_row import rollout_row
+from deploy.final_average import FinalAverage
 from deploy.grpo_loop import _IterationSink, batch_name
 from deploy.mixture import domain_kl, domain_shares, kl_weights
 from deploy.opd_config import OPDLoopConfig
@@ -178,8 +179,11 @@ class OPDLoop:
                                       make_learner=opd_learner)
             self.group.learner_call("set_teachers", self.teachers)
             start = 0
+            self.average = FinalAverage(cfg.loop.final, cfg.loop.ema_decay)
             if ckpt is not None:
                 start = int(self.group.load_checkpoint(ckpt)["iteration"])
+                if self.average.on and not self.average.resume(ckpt):
+                    self.run.log(stage="ema", iteration=start, restarted=True)  # saved under another loop.final
                 self._truncate_metrics(start)
                 self._drop_batches_after(start)
                 self.pool.update_weights(self.group.weights(), self.group.policy_version)
@@ -238,6 +242,7 @@ class OPDLoop:
                 batch = None
                 if ahead is not None:  # its rollout done before the weights change
                     batch = (ahead[0], ahead[1], ahead[2].result() if ahead[2] is not None else {})
+                self.average.update(weights)
                 self.pool.update_weights(weights, version)
                 self.dp.publish_policy_version(batch_name(k), version)
                 rewards_by_domain = {}
@@ -254,7 +259,8 @@ class OPDLoop:
                     last_eval = self._evaluate(done, weights)
                 stop = done == self.stop_after
                 if done % lp.checkpoint_every == 0 or done == self.iterations or stop:
-                    saved = self.group.save_checkpoint(self.run.checkpoints, done)  # batch `done` is complete by now
+                    saved = self.group.save_checkpoint(self.run.checkpoints, done,  # batch `done` is complete by now
+                                                       extra=self.average.extra())
                     self.best.after_checkpoint(done)
                     self._reclaim(done)
                     if self.storage is not None:  # every checkpoint is kept, as in a local run directory
@@ -264,10 +270,12 @@ class OPDLoop:
         finally:
             if executor is not None:
                 executor.shutdown(wait=True)
-        final = None
+        final = final_eval = None
         if done == self.iterations:
-            self.eval_model.load_state_dict(self.group.weights())
+            self.eval_model.load_state_dict(self.average.final_weights(self.group.weights()))
             final = str(self.best.write_final(self.out / "final"))
+            if self.average.on:  # final/ is no iterate the loop evaluated: evaluate it
+                final_eval = self._evaluate(done, None, stage="final")
         self.plot()
         if self.storage is not None:
             if final:
@@ -276,7 +284,7 @@ class OPDLoop:
         evals = [r for r in self.run.read_metrics() if r.get("stage") == "eval"]
         return {"out": str(self.out), "final": final, "iterations_done": done, "iterations": self.iterations,
                 "teachers": {t.name: t.path for t in self.teachers}, "teacher_pass_at_1": self.teacher_pass,
-                "eval": evals, "last_eval": last_eval,
+                "eval": evals, "last_eval": last_eval, "final_eval": final_eval,
                 "best": {"iteration": self.best.iteration, "retention_min": self.best.value, "final": lp.final}}
 
     def _batch(self, k: int) -> tuple[list, dict[str, float] | None, bool]:
@@ -441,11 +449,14 @@ class OPDLoop:
                 self._drop(run)
         self.dp.gc(min_age_s=0.0)
 
-    def _evaluate(self, iteration: int, weights: dict) -> dict:
+    def _evaluate(self, iteration: int, weights: dict | None, stage: str = "eval") -> dict:
+        """Greedy pass@1 of `weights` (None: the eval model as it is) on every domain, logged as a `stage`
+        row; an eval row also counts towards loop.final = "best"."""
         from learner.evaluate import evaluate
 
         t0 = time.monotonic()
-        self.eval_model.load_state_dict(weights)
+        if weights is not None:
+            self.eval_model.load_state_dict(weights)
         row = {}
         for d in self.domains:
             res = evaluate(self.eval_model, self.tok, d, self.cfg.eval)
@@ -454,12 +465,13 @@ class OPDLoop:
         kept = [row[f"eval_pass_at_1_{d}"] / self.teacher_best[d] for d in self.domains if self.teacher_best[d] > 0]
         if kept:  # the student over the best of its teachers, on the domain it keeps least of
             row["eval_retention_min"] = min(kept)
-        self.run.log(stage="eval", iteration=iteration, **row, eval_n=self.cfg.eval.n, eval_s=round(time.monotonic() - t0, 3))
-        if "eval_retention_min" in row:
+        self.run.log(stage=stage, iteration=iteration, **row, eval_n=self.cfg.eval.n, eval_s=round(time.monotonic() - t0, 3))
+        if "eval_retention_min" in row and stage == "eval":
             self.best.observe(iteration, row["eval_retention_min"])
         if not self.quiet:
             shown = "  ".join(f"{d} {row[f'eval_pass_at_1_{d}']:.3f}" for d in self.domains)
-            print(f"opd iteration {iteration}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
+            what = f"iteration {iteration}" if stage == "eval" else f"{stage}/ ({self.cfg.loop.final})"
+            print(f"opd {what}: eval pass@1 {shown} (n={self.cfg.eval.n})", flush=True)
         return row
 
     def _teacher_evals(self) -> dict[str, float]:

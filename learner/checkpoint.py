@@ -5,6 +5,7 @@ renamed into place and the root fsynced, so a crash leaves either the old set or
   model/            `save_pretrained` (safetensors) + tokenizer: what `postrain eval --checkpoint` takes
   trainer.pt        optimizer and LR-schedule state, optimizer step
   rng.pt            one RNG state per learner rank (python, numpy, torch CPU, CUDA)
+  NAME.safetensors  state of the loop beside the learner's (`extra`), e.g. `ema`: a weight average
   state.json        iteration, policy version, step, world size, sha256 of every file above
 `ROOT/latest` names the newest complete checkpoint (written atomically after the rename).
 
@@ -19,6 +20,7 @@ import json
 import os
 import pickle
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +64,17 @@ def checkpoint_name(iteration: int) -> str:
     return f"iter_{iteration:08d}"
 
 
+_EXTRA_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+
 def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_state: dict,
-                    rng_states: list[dict]) -> Path:
+                    rng_states: list[dict], extra: dict[str, tuple[dict, dict]] | None = None) -> Path:
+    """`extra`: name -> (tensors, str metadata), each saved as NAME.safetensors in the same atomic set."""
+    from safetensors.torch import save_file
+
+    bad = [n for n in extra or {} if not _EXTRA_NAME.match(n)]
+    if bad:
+        raise ValueError(f"save_checkpoint: extra state names must be short lowercase identifiers, got {bad}")
     root = Path(root)
     fileio.makedirs(root)
     final = root / checkpoint_name(iteration)
@@ -76,6 +87,8 @@ def save_checkpoint(root: str | Path, iteration: int, model, tokenizer, trainer_
         tokenizer.save_pretrained(tmp / "model")
     torch.save(trainer_state, tmp / "trainer.pt")
     torch.save(rng_states, tmp / "rng.pt")
+    for name, (tensors, meta) in (extra or {}).items():
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp / f"{name}.safetensors", metadata=meta)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     state = {"format": FORMAT, "iteration": iteration, "policy_version": int(trainer_state["policy_version"]),
              "step": int(trainer_state["step"]), "world_size": len(rng_states),
@@ -184,6 +197,23 @@ def load_into(path: str | Path, model, learner, rank: int = 0) -> dict:
     rngs = load_data(ckpt / "rng.pt")
     restore_rng(rngs[rank % len(rngs)])
     return state
+
+
+def load_extra(path: str | Path, name: str) -> tuple[dict, dict] | None:
+    """(tensors, metadata) of a checkpoint's NAME.safetensors after its checksum, or None when it has none."""
+    from safetensors import SafetensorError
+    from safetensors import safe_open
+
+    state = read_checkpoint(path)
+    rel = f"{name}.safetensors"
+    if rel not in state["sha256"]:
+        return None
+    f = Path(state["path"]) / rel
+    try:
+        with safe_open(str(f), framework="pt") as fh:
+            return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"checkpoint file {f} is not readable safetensors: {exc}") from None
 
 
 def load_data(path: Path):

@@ -138,11 +138,12 @@ class LearnerWorker:
 
         return capture_rng()
 
-    def save_checkpoint(self, root: str | Path, iteration: int, rng_states: list[dict] | None = None) -> str:
+    def save_checkpoint(self, root: str | Path, iteration: int, rng_states: list[dict] | None = None,
+                        extra: dict | None = None) -> str:
         from learner.checkpoint import save_checkpoint
 
         return str(save_checkpoint(root, iteration, self.model, self.tokenizer, self.learner.state(),
-                                   rng_states or [self.rng_state()]))
+                                   rng_states or [self.rng_state()], extra))
 
     def load_checkpoint(self, path: str | Path) -> dict:
         """Weights, optimizer, schedule, step, version and this rank's RNG from a checkpoint."""
@@ -275,13 +276,14 @@ class LearnerGroup:
         self.set_policy_version(version)
         return self.weights(live), version
 
-    def save_checkpoint(self, root: str | Path, iteration: int) -> Path:
+    def save_checkpoint(self, root: str | Path, iteration: int, extra: dict | None = None) -> Path:
+        """`extra`: the loop's own state saved in the same atomic set (learner.checkpoint.save_checkpoint)."""
         rngs = self._call("rng_state")
         if self.local is not None:
-            return Path(self.local.save_checkpoint(root, iteration, rngs))
+            return Path(self.local.save_checkpoint(root, iteration, rngs, extra))
         import ray
 
-        return Path(ray.get(self.actors[0].save_checkpoint.remote(str(root), iteration, rngs)))
+        return Path(ray.get(self.actors[0].save_checkpoint.remote(str(root), iteration, rngs, extra)))
 
     def load_checkpoint(self, path: str | Path) -> dict:
         return self._call("load_checkpoint", [(str(path),)] * self.ranks)[0]

@@ -185,3 +185,37 @@ def test_patience_ends_the_run_and_final_holds_the_best_eval(tmp_path, reverse_b
     assert again["iterations_done"] == res["iterations_done"] and again["best"] == res["best"]
     a, b = load_policy(out / "final")[0].state_dict(), load_policy(resumed / "final")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_final_ema_holds_the_average_and_a_resumed_run_ends_with_the_same(tmp_path, reverse_base):
+    """loop.final = "ema": final/ is the average of every iteration's policy (not the last iterate), evaluated
+    once more in a `final` row; its state rides in each checkpoint, so a run stopped and resumed writes the
+    same final/; a run resumed from a checkpoint saved without one starts the average afresh and says so."""
+    from core.hf import load_policy
+    from learner.checkpoint import latest_checkpoint, load_extra
+    from learner.evaluate import evaluate
+
+    cfg = _cfg("loop.final=ema", "loop.ema_decay=0.5")
+    out = tmp_path / "straight"
+    res = run_grpo(cfg, "reverse", reverse_base, out, iterations=4, quiet=True)
+    final_row = _rows(out, "final")[0]
+    assert res["final_eval"]["eval_pass_at_1"] == final_row["eval_pass_at_1"] and final_row["iteration"] == 4
+    model, tok = load_policy(out / "final")
+    assert evaluate(model, tok, "reverse", cfg.eval)["pass_at_1"] == final_row["eval_pass_at_1"]
+    last = load_policy(latest_checkpoint(out / "checkpoints") / "model")[0].state_dict()
+    ema = model.state_dict()
+    assert any(not torch.equal(ema[k], last[k]) for k in ema)
+    assert int(load_extra(latest_checkpoint(out / "checkpoints"), "ema")[1]["updates"]) == 4
+
+    resumed = tmp_path / "resumed"
+    run_grpo(cfg, "reverse", reverse_base, resumed, iterations=4, quiet=True, stop_after=2)
+    run_grpo(cfg, "reverse", reverse_base, resumed, iterations=4, quiet=True, resume=True)
+    again = load_policy(resumed / "final")[0].state_dict()
+    assert all(torch.equal(ema[k], again[k]) for k in ema)
+
+    plain = tmp_path / "switched"
+    run_grpo(_cfg(), "reverse", reverse_base, plain, iterations=4, quiet=True, stop_after=2)
+    run_grpo(cfg, "reverse", reverse_base, plain, iterations=4, quiet=True, resume=True)
+    assert [{k: v for k, v in r.items() if k != "time_s"} for r in _rows(plain, "ema") if r["stage"] == "ema"] == \
+        [{"stage": "ema", "iteration": 2, "restarted": True}]
+    assert int(load_extra(latest_checkpoint(plain / "checkpoints"), "ema")[1]["updates"]) == 2

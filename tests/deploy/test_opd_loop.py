@@ -261,3 +261,24 @@ def test_final_best_keeps_the_eval_that_kept_most_of_its_teacher(tmp_path, rever
     assert again["best"] == res["best"]
     a, b = load_policy(out / "final")[0].state_dict(), load_policy(resumed / "final")[0].state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_final_ema_is_the_average_student_and_survives_a_resume(tmp_path, models):
+    """loop.final = "ema": final/ is the average of every iteration's student, evaluated in a `final` row; a
+    run stopped after a checkpoint and resumed writes the same final/."""
+    from learner.checkpoint import latest_checkpoint
+
+    cfg = _cfg("loop.final=ema", "loop.ema_decay=0.5", "opd.teacher_workers=0")
+    out = tmp_path / "straight"
+    res = run_opd(cfg, models["student"], _teachers(models), out, iterations=3, quiet=True)
+    final_row = _rows(out, "final")[0]
+    assert final_row["stage"] == "final" and res["final_eval"]["eval_pass_at_1_min"] == final_row["eval_pass_at_1_min"]
+    ema = load_policy(out / "final")[0].state_dict()
+    last = load_policy(latest_checkpoint(out / "checkpoints") / "model")[0].state_dict()
+    assert any(not torch.equal(ema[k], last[k]) for k in ema)
+
+    resumed = tmp_path / "resumed"
+    run_opd(cfg, models["student"], _teachers(models), resumed, iterations=3, quiet=True, stop_after=1)
+    run_opd(cfg, models["student"], _teachers(models), resumed, iterations=3, quiet=True, resume=True)
+    again = load_policy(resumed / "final")[0].state_dict()
+    assert all(torch.equal(ema[k], again[k]) for k in ema)
