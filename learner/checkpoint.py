@@ -160,13 +160,19 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
                         "(format 1 held pickled objects, which are not loaded: loading them could run code)")
     if verify:
         for rel, digest in state["sha256"].items():
-            f = path / rel
-            if not f.is_file():
-                raise UserError(f"checkpoint {path}: file {rel} is missing")
-            if sha256_file(f) != digest:
-                raise UserError(f"checkpoint {path}: file {rel} fails its checksum (corrupt); use an older checkpoint")
+            _check_file(path, rel, digest)
     state["path"] = str(path)
     return state
+
+
+def _check_file(ckpt: Path, rel: str, digest: str) -> Path:
+    """`ckpt / rel`, present and matching its sha256 from state.json."""
+    f = ckpt / rel
+    if not f.is_file():
+        raise UserError(f"checkpoint {ckpt}: file {rel} is missing")
+    if sha256_file(f) != digest:
+        raise UserError(f"checkpoint {ckpt}: file {rel} fails its checksum (corrupt); use an older checkpoint")
+    return f
 
 
 def load_weights(model, model_dir: Path) -> None:
@@ -200,15 +206,16 @@ def load_into(path: str | Path, model, learner, rank: int = 0) -> dict:
 
 
 def load_extra(path: str | Path, name: str) -> tuple[dict, dict] | None:
-    """(tensors, metadata) of a checkpoint's NAME.safetensors after its checksum, or None when it has none."""
+    """(tensors, metadata) of a checkpoint's NAME.safetensors after its checksum, or None when it has none.
+    Only that file is hashed: the learner's `load_into` has checked the rest."""
     from safetensors import SafetensorError
     from safetensors import safe_open
 
-    state = read_checkpoint(path)
+    state = read_checkpoint(path, verify=False)
     rel = f"{name}.safetensors"
     if rel not in state["sha256"]:
         return None
-    f = Path(state["path"]) / rel
+    f = _check_file(Path(state["path"]), rel, state["sha256"][rel])
     try:
         with safe_open(str(f), framework="pt") as fh:
             return {k: fh.get_tensor(k) for k in fh.keys()}, dict(fh.metadata() or {})
