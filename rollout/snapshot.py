@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -179,11 +180,65 @@ def _staging_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     return buf[:nbytes]
 
 
+READ_BYTES = 1 << 20  # one read request of a restore. A cold read is bound by the requests in flight: on a
+# virtio disk, 8 reads of 8 MiB at a time gave 1.3 GB/s and 32 of 1 MiB 1.8 GB/s (an NVIDIA H100 host)
+
+
+def _read_checked(fd: int, dst, h: SnapshotHeader, payload: int, threads: int) -> bool:
+    """Read the payload into `dst` in pieces of at most READ_BYTES (none crossing a checksum chunk), up to
+    `threads` at a time; the thread that lands a chunk's last piece checksums the chunk. False on a short
+    read or a checksum mismatch."""
+    pieces = []  # (chunk, start, length)
+    for i in range(len(h.checksums)):
+        a, b = i * h.chunk_bytes, min((i + 1) * h.chunk_bytes, payload)
+        pieces += [(i, x, min(READ_BYTES, b - x)) for x in range(a, b, READ_BYTES)]
+    left = [0] * len(h.checksums)
+    for i, _, _ in pieces:
+        left[i] += 1
+    lock = threading.Lock()
+
+    def chunk_ok(i: int) -> bool:
+        # crc32c checksums a writable buffer in place, without the GIL (google_crc32c takes only bytes)
+        a = i * h.chunk_bytes
+        return crc32c.crc32c(memoryview(dst[a:min(a + h.chunk_bytes, payload)]).cast("B")) == h.checksums[i]
+
+    def one(piece: tuple[int, int, int]) -> bool:
+        i, a, want = piece
+        view = memoryview(dst[a:a + want]).cast("B")  # one copy out of the page cache, no fresh pages
+        got = 0
+        while got < want:
+            n = os.preadv(fd, [view[got:]], h.payload_offset + a + got)
+            if n <= 0:
+                return False
+            got += n
+        with lock:
+            left[i] -= 1
+            last = left[i] == 0
+        return chunk_ok(i) if last else True
+
+    if threads <= 1 or len(pieces) <= 1:  # one piece (a small KV): a hand-off would cost more than the read
+        return all(map(one, pieces))
+    return all(list(_pool(threads).map(one, pieces)))
+
+
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One lasting reader pool per size: a restore starts no threads."""
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="kv-read")
+        return _pools[threads]
+
+
 def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
-              dtype: torch.dtype, device: torch.device | str = "cpu", threads: int = 8
+              dtype: torch.dtype, device: torch.device | str = "cpu", threads: int = 32
               ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
     """Fast restore from a local file: header validated before the payload is read; the payload is read
-    and checksummed chunk by chunk in parallel straight into a (pinned) staging buffer, then uploaded once."""
+    in parallel straight into a (pinned) staging buffer, each chunk checksummed as its last piece lands,
+    then uploaded once."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -203,28 +258,7 @@ def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
         cuda = device.type == "cuda"
         host = _staging_buffer(payload, pinned=cuda) if cuda else torch.empty(payload, dtype=torch.uint8)
         dst = host.numpy()
-
-        def one(i: int) -> bool:
-            # Straight into the staging buffer: one copy out of the page cache, no fresh pages to fault in
-            # (crc32c checksums a writable buffer in place, without the GIL; google_crc32c takes only bytes).
-            a = i * h.chunk_bytes
-            want = min(h.chunk_bytes, payload - a)
-            view = memoryview(dst[a:a + want]).cast("B")
-            got = 0
-            while got < want:
-                n = os.preadv(fd, [view[got:]], h.payload_offset + a + got)
-                if n <= 0:
-                    return False
-                got += n
-            return crc32c.crc32c(view) == h.checksums[i]
-
-        workers = min(threads, len(h.checksums))
-        if workers <= 1:  # one chunk (a small KV): a pool's thread start and hand-off would cost more than the read
-            ok = all(map(one, range(len(h.checksums))))
-        else:
-            with ThreadPoolExecutor(workers) as ex:
-                ok = all(ex.map(one, range(len(h.checksums))))
-        if not ok:
+        if not _read_checked(fd, dst, h, payload, threads):
             raise SnapshotRejected("corrupt", "checksum mismatch")
         if cuda:
             buf = host.to(device, non_blocking=True)

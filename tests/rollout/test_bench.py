@@ -11,9 +11,11 @@ def test_bench_quick_writes_targets(tmp_path):
     out = tmp_path / "r.json"
     assert main(["--quick", "--json", "--scratch", str(tmp_path / "s"), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["device"] and set(res["targets"]) == {"engine_vs_hf_generate_cpu", "engine_vs_hf_generate_h200_b64",
-                                                     "reprefill_vs_kv_restore_32k", "wal_overhead_share_b64_h200"}
+    assert res["device"] and set(res["targets"]) == {
+        "engine_vs_hf_generate_cpu", "engine_vs_hf_static_compile_h200_b64", "reprefill_vs_kv_restore_cold_32k",
+        "wal_overhead_share_b64_h200"}
     assert res["targets"]["engine_vs_hf_generate_cpu"]["value"] > 0
     assert res["cpu"]["fast_vs_strict_agreement"] > 0.9
     gpu = run_gpu(True, tmp_path / "g", device="cpu", small=True)  # the GPU section's code at toy size
     assert not [k for k in gpu if k.endswith("_error")] and gpu["resume"][0]["ratio"] > 0
+    assert gpu["resume"][0]["disk_read_cold_s_median"] > 0  # the bare read under the restore

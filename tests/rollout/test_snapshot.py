@@ -31,15 +31,17 @@ def test_mem_fs_store():
     assert store.get("a") == b"xyz" and store.delete("a") and store.get("a") is None
 
 
-def test_multi_chunk_payload_and_a_flip_in_any_chunk(tmp_path, monkeypatch):
+@pytest.mark.parametrize("read_bytes", [1 << 20, 300])  # one read per chunk; several, the last one short
+def test_multi_chunk_payload_and_a_flip_in_any_chunk(tmp_path, monkeypatch, read_bytes):
     import rollout.snapshot as snap
     monkeypatch.setattr(snap, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(snap, "READ_BYTES", read_bytes)
     kv = _kv()
     data = encode("t", TOK, kv, 0, "fp")
     h = snap.read_header(data)
     assert len(h.checksums) == -(-(len(data) - h.payload_offset) // 1000) > 3
     store = SnapshotStore(tmp_path)
-    for off in (h.payload_offset + 5, h.payload_offset + 2500, len(data) - 1):
+    for off in (h.payload_offset + 5, h.payload_offset + 2500, h.payload_offset + 2950, len(data) - 1):
         b = bytearray(data)
         b[off] ^= 1
         store.put("t", bytes(b))
