@@ -8,8 +8,9 @@ same checkpoint, get the same train prompts in the same order, the same reward f
 (`rewards.domain(d).verify`) and the same budget; each clock starts before the side loads anything.
 
 Scoring: greedy pass@1 on the domain's eval split with `postrain eval`'s evaluator and the run's
-`[eval]` table. Ours: the loop's own evals (every `loop.eval_every` iterations, inside its budget).
-TRL: a snapshot of the policy every `--snapshot-every-s` seconds (the weights after the last optimizer
+`[eval]` table. Ours: the loop's own evals (every `loop.eval_every` iterations, inside its budget);
+its final pass@1 is that of `final/`, what the run hands its user (the average of the iterates under
+`loop.final = "ema"`, its `final` row). TRL: a snapshot of the policy every `--snapshot-every-s` seconds (the weights after the last optimizer
 step that ended before the mark) and the final one, scored after the run, outside its budget. The
 pass@1 of a side at time t is that of its policy as of t (its latest eval at or before t; the final
 policy after its run ended). Matched times: every snapshot period up to the budget.
@@ -77,13 +78,19 @@ def run_ours(init: Path, domain: str, seed: int, budget_s: float, out: Path, con
     t0 = time.monotonic()
     _run(cmd, out.parent / f"{out.name}.log")
     wall = time.monotonic() - t0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return read_ours([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], wall)
+
+
+def read_ours(rows: list[dict], wall: float) -> dict:
+    """One run of ours from its metrics rows: the eval curve, the final pass@1 (of `final/`), throughput, disk."""
     train = [r for r in rows if r["stage"] == "train"]
     evals = [(r["time_s"], r["eval_pass_at_1"]) for r in rows if r["stage"] == "eval"]
+    final = [r["eval_pass_at_1"] for r in rows if r["stage"] == "final"]  # final/ when it is not the last iterate
     disk = [r for r in rows if r["stage"] == "disk"][-1]
     end = train[-1]["time_s"]
     completions = sum(r.get("completed", 0) for r in train)
-    return {"evals": evals, "final_pass_at_1": evals[-1][1], "iterations": len(train),
+    return {"evals": evals, "final_pass_at_1": final[-1] if final else evals[-1][1],
+            "last_iterate_pass_at_1": evals[-1][1], "iterations": len(train),
             "optimizer_steps": sum(r["optimizer_steps"] for r in train), "completions": completions,
             "train_end_s": end, "completions_per_s": completions / end, "process_wall_s": round(wall, 3),
             "first_eval_s": evals[0][0], "run_dir_mb": disk["run_dir_mb"], "run_dir_mb_max": disk["run_dir_mb_max"],

@@ -83,3 +83,15 @@ def test_matched_times_take_the_policy_as_of_each_time():
     ratios = grpo_vs_trl.summarise([run], 90, 30)["arith"]
     assert ratios["matched_ratio"] == pytest.approx((0.6 + 0.6 + 0.9) / 3 / 0.6)
     assert ratios["final_ratio"] == pytest.approx(1.5)
+
+
+def test_ours_final_is_final_dirs_eval_when_the_loop_logs_one():
+    rows = [{"stage": "eval", "time_s": 1.0, "eval_pass_at_1": 0.5},
+            {"stage": "train", "time_s": 2.0, "completed": 256, "optimizer_steps": 4, "reward_mean": 0.4},
+            {"stage": "eval", "time_s": 3.0, "eval_pass_at_1": 0.7},
+            {"stage": "disk", "time_s": 3.0, "run_dir_mb": 1.0, "run_dir_mb_max": 2.0}]
+    last = grpo_vs_trl.read_ours(rows, 4.0)
+    assert last["final_pass_at_1"] == last["last_iterate_pass_at_1"] == 0.7 and last["optimizer_steps"] == 4
+    avg = grpo_vs_trl.read_ours(rows + [{"stage": "final", "time_s": 3.5, "eval_pass_at_1": 0.8}], 4.0)
+    assert avg["final_pass_at_1"] == 0.8 and avg["last_iterate_pass_at_1"] == 0.7
+    assert avg["evals"] == [(1.0, 0.5), (3.0, 0.7)]  # the curve holds the iterates' evals inside the budget
