@@ -162,30 +162,25 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=3, fp=None):
             "disk_read_cold_gb_s": snap_mb * 2**20 / med(t_disk) / 1e9}
 
 
-def _read_cold_s(path: str, threads: int = 32, piece: int = 1 << 20) -> float:
-    """Seconds to read a file whose pages were just dropped, in `piece`-sized preads `threads` at a time
-    into one buffer, nothing checked or uploaded: the disk's floor under any restore of that file."""
-    from concurrent.futures import ThreadPoolExecutor
+def _read_cold_s(path: str, threads: int = 32) -> float:
+    """Seconds to read a file whose pages were just dropped, as a restore reads it (pieces of
+    `snapshot.READ_BYTES`, `threads` at a time, one buffer) but nothing checked or uploaded: the disk's
+    floor under any restore of that file."""
+    from rollout import snapshot
 
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        view = memoryview(bytearray(size))
-
-        def one(a: int) -> None:
-            got, want = 0, min(piece, size - a)
-            while got < want:
-                n = os.preadv(fd, [view[a + got:a + want]], a + got)
-                if n <= 0:
-                    raise OSError(f"short read of {path} at {a + got}")
-                got += n
-
-        with ThreadPoolExecutor(threads) as ex:
-            t = time.perf_counter()
-            list(ex.map(one, range(0, size, piece)))
-            return time.perf_counter() - t
+        view, step = memoryview(bytearray(size)), snapshot.READ_BYTES
+        t = time.perf_counter()
+        done = list(snapshot.reader_pool(threads).map(lambda a: snapshot.pread_into(fd, view[a:a + step], a),
+                                                      range(0, size, step)))
+        dt = time.perf_counter() - t
     finally:
         os.close(fd)
+    if not all(done):
+        raise OSError(f"short read of {path}")
+    return dt
 
 
 def wal_overhead(model, tok, prompts, N, device, wal_dir, static=False, fp=None, group_steps=1, append_inline=True,
