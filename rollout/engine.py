@@ -110,7 +110,7 @@ class Engine:
         self._free = list(range(max_batch))
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._fingerprint = fingerprint  # callers that share a model pass it once; else hashed on first use
-        self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0}
+        self.stats = {"forwards": 0, "decode_rows": 0, "block_tokens": 0, "prefill_rows_shared": 0}
         # On a CPU a small model's step is Python-bound: a lean forward of the same arithmetic (HF otherwise).
         self._lean = None
         if self.device.type == "cpu" and LeanForward.supports(model) is None:
@@ -348,30 +348,42 @@ class Engine:
         seq.kv_len += T
 
     def _prefill_fresh(self, slots: list[int], ids_NT: torch.Tensor) -> None:
-        """Prefill rows with no past (equal lengths) with plain causal attention, then move their K/V into `slots`."""
+        """Prefill rows with no past (equal lengths) with plain causal attention, then move their K/V into `slots`.
+        Equal rows (a GRPO group's G copies of one prompt) are run once and their K/V copied to every slot."""
         N, T = ids_NT.shape
-        if getattr(self.model, "lean_only", False):  # no HF forward to run: the lean one, row by row, causal
+        if N == 1 and getattr(self.model, "lean_only", False):  # one row: straight into its slot
             pos = torch.arange(T, device=self.device)
-            mask = (pos[None, :] <= pos[:, None])[None, None]
-            for r, slot in enumerate(slots):
-                self.kv.bind(slot, slot + 1, None, 0, T, T)
-                self._run(ids_NT[r:r + 1], pos[None], mask)
-            self.stats["block_tokens"] += N * T
+            self.kv.bind(slots[0], slots[0] + 1, None, 0, T, T)
+            self._run(ids_NT, pos[None], (pos[None, :] <= pos[:, None])[None, None])
+            self.stats["block_tokens"] += T
             return
+        uniq_UT, inverse = torch.unique(ids_NT, dim=0, return_inverse=True) if N > 1 else (ids_NT, None)
+        keys, values = self._prefill_kv(uniq_UT)
+        rows = torch.tensor(slots, device=self.device)
+        for i in range(len(self.kv.k)):
+            k, v = keys[i], values[i]
+            self.kv.k[i][rows, :, :T] = k if inverse is None else k[inverse]
+            self.kv.v[i][rows, :, :T] = v if inverse is None else v[inverse]
+        self.stats["block_tokens"] += uniq_UT.shape[0] * T
+        self.stats["prefill_rows_shared"] += N - uniq_UT.shape[0]
+
+    def _prefill_kv(self, ids_UT: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, the K/V [U, kv_heads, T, head_dim] of rows with no past (one causal forward)."""
+        U, T = ids_UT.shape
+        self.stats["forwards"] += 1
+        if getattr(self.model, "lean_only", False):  # no HF forward to run: the lean one, all rows at once
+            pos = torch.arange(T, device=self.device)
+            held = _HeldKV(len(self.kv.k))
+            self._lean(ids_UT, pos[None].expand(U, T), (pos[None, :] <= pos[:, None])[None, None], held)
+            return held.k, held.v
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
-        pos = torch.arange(T, device=self.device)[None].expand(N, T)
-        self.stats["forwards"] += 1
-        self.model(input_ids=ids_NT, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
-        rows = torch.tensor(slots, device=self.device)
-        for i in range(len(self.kv.k)):
-            layer = cache.layers[i] if hasattr(cache, "layers") else None
-            k = layer.keys if layer is not None else cache.key_cache[i]
-            v = layer.values if layer is not None else cache.value_cache[i]
-            self.kv.k[i][rows, :, :T] = k
-            self.kv.v[i][rows, :, :T] = v
-        self.stats["block_tokens"] += N * T
+        pos = torch.arange(T, device=self.device)[None].expand(U, T)
+        self.model(input_ids=ids_UT, position_ids=pos, use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        if hasattr(cache, "layers"):
+            return [layer.keys for layer in cache.layers], [layer.values for layer in cache.layers]
+        return list(cache.key_cache), list(cache.value_cache)
 
     def _forward_rows(self, group: list[Seq]) -> torch.Tensor:
         """One decode row per request of a contiguous slot range: feeds its last pending token, returns logits [B, V]."""
@@ -425,3 +437,15 @@ def _contiguous(seqs: list[Seq]) -> list[list[Seq]]:
         else:
             groups.append([s])
     return groups
+
+
+class _HeldKV:
+    """The cache a fresh prefill's lean forward writes into: each layer's K/V kept as computed (no past)."""
+
+    def __init__(self, layers: int):
+        self.k: list = [None] * layers
+        self.v: list = [None] * layers
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.k[layer_idx], self.v[layer_idx] = key_states, value_states
+        return key_states, value_states

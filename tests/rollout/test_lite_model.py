@@ -143,3 +143,28 @@ def test_tokenizers_transformers_would_change_are_left_to_it(tmp_path, tiny_ckpt
     for change in ({"add_bos_token": True}, {"clean_up_tokenization_spaces": True}, {"tokenizer_class": "Qwen2Tokenizer"}):
         (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, **change}))
         assert load_lite_tokenizer(tmp_path) is None, change
+
+
+@pytest.mark.parametrize("lite", [True, False], ids=["lite", "hf"])
+def test_a_groups_repeated_prompt_is_prefilled_once_with_the_kv_of_its_own_forward(tiny_ckpt, lite):
+    model, tok = (load_for_engine(str(tiny_ckpt), torch.float32, "cpu") if lite else load_policy(tiny_ckpt))
+    a, b = tok.encode("add 12+34="), tok.encode("add 56+78=")
+    assert len(a) == len(b)
+    group = [a, a, b, a, b, b]  # two prompts, G copies each, as a GRPO batch arrives
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    eng = Engine(model, tok, seed=7, max_batch=len(group), strict=False)
+    for i, p in enumerate(group):
+        eng.add(f"r{i}", p, [False] * len(p), params)
+    eng.collect(eng.launch())
+    assert eng.stats["prefill_rows_shared"] == 4 and eng.stats["block_tokens"] == 2 * (len(a) - 1)
+    for p in (a, b):  # each prompt alone, in an engine of its own
+        one = Engine(model, tok, seed=7, max_batch=1, strict=True)
+        one.add("x", p, [False] * len(p), params)
+        one.collect(one.launch())
+        for i, q in enumerate(group):
+            if q == p:
+                slot = eng.seqs[f"r{i}"].slot
+                for layer in range(len(one.kv.k)):
+                    for mine, ref in ((eng.kv.k[layer], one.kv.k[layer]), (eng.kv.v[layer], one.kv.v[layer])):
+                        torch.testing.assert_close(mine[slot, :, :len(p) - 1], ref[0, :, :len(p) - 1],
+                                                   atol=1e-5, rtol=1e-5)
