@@ -2,7 +2,8 @@
 and the generated blocks of README.md and docs/*.md, so that no figure in them is copied by hand.
 
 A JSON `bench/results/NAME.json` is the latest run of benchmark NAME on the CPU machine it names;
-`NAME_h200.json` the latest on an H200 host, `NAME_h100.json` on an H100 host. `bench/results/history/` keeps older runs and is not read.
+`NAME_h200.json` the latest on an H200 host, `NAME_h100.json` on an H100 host. `bench/results/history/`
+keeps older runs and is not read.
 A generated block is the text between `<!-- targets:KEY -->` and `<!-- /targets:KEY -->`: KEY `all`
 is the summary (one row per JSON), any other KEY the targets of benchmark KEY (both devices).
 

@@ -354,10 +354,12 @@ class Engine:
         if N == 1 and getattr(self.model, "lean_only", False):  # one row: straight into its slot
             pos = torch.arange(T, device=self.device)
             self.kv.bind(slots[0], slots[0] + 1, None, 0, T, T)
-            self._run(ids_NT, pos[None], (pos[None, :] <= pos[:, None])[None, None])
+            self._run(ids_NT, pos[None], _causal(pos))
             self.stats["block_tokens"] += T
             return
         uniq_UT, inverse = torch.unique(ids_NT, dim=0, return_inverse=True) if N > 1 else (ids_NT, None)
+        if uniq_UT.shape[0] == N:  # no two rows equal: run them as they are, no gather afterwards
+            uniq_UT, inverse = ids_NT, None
         keys, values = self._prefill_kv(uniq_UT)
         rows = torch.tensor(slots, device=self.device)
         for i in range(len(self.kv.k)):
@@ -374,7 +376,7 @@ class Engine:
         if getattr(self.model, "lean_only", False):  # no HF forward to run: the lean one, all rows at once
             pos = torch.arange(T, device=self.device)
             held = _HeldKV(len(self.kv.k))
-            self._lean(ids_UT, pos[None].expand(U, T), (pos[None, :] <= pos[:, None])[None, None], held)
+            self._lean(ids_UT, pos[None].expand(U, T), _causal(pos), held)
             return held.k, held.v
         from transformers import DynamicCache
 
@@ -437,6 +439,11 @@ def _contiguous(seqs: list[Seq]) -> list[list[Seq]]:
         else:
             groups.append([s])
     return groups
+
+
+def _causal(pos: torch.Tensor) -> torch.Tensor:
+    """[1, 1, T, T] mask of positions 0..T-1 attending to themselves and earlier ones."""
+    return (pos[None, :] <= pos[:, None])[None, None]
 
 
 class _HeldKV:
