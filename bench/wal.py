@@ -188,27 +188,32 @@ def inproc_step(d: Path, b: int, seconds: float) -> float:
         w.close()
 
 
-def _steady_log(d: Path) -> "wal.TokenWAL":
+def _steady_log(d: Path, b: int) -> "wal.TokenWAL":
     """A log in the steady state of a long rollout run, set up untimed (as the baseline's file is zero-filled
-    untimed): a trajectory that finished filled the first segment, retention reclaimed it, and the log
-    has rolled into it, so appends overwrite a recycled segment (`recycle_segments`, the default)."""
+    untimed): a batched decode of B other trajectories filled the first segment and finished, retention
+    reclaimed that segment, and the log has rolled into it, so appends overwrite a recycled segment
+    (`recycle_segments`, the default) and the next decode's step group takes over the finished one's row
+    memory, as every group after a run's first does (no fresh pages to fault in)."""
     w = wal.open(d / "steady")
-    chunk = 1 << 16
-    toks, lps = np.zeros(chunk, dtype=np.int32), np.full(chunk, -1.0)
-    n = 0
+    toks, lps = _step_arrays(b)
+    warm = [f"warm-{k:06d}" for k in range(b)]
+    pos = np.zeros(b, dtype=np.int64)
     while w.stats()["segments"] < 2:
-        w.append("warm", n, toks, lps, 0)
+        for _ in range(64):  # a commit every 64 steps: the same log, set up in less time
+            w.append_step(warm, pos, toks, lps, 0)
+            pos += 1
         w.commit()
-        n += chunk
-    w.finalize("warm")
+    w.finalize_many(warm)
     w.reclaim()
     if w.stats()["recycled_segments"] < 1:
         raise RuntimeError("bench.wal: the reclaimed segment was not recycled")
     n, used = 0, w.stats()["spares_used"]
+    chunk = 4096
+    fill_t, fill_l = np.zeros(chunk, dtype=np.int32), np.full(chunk, -1.0)
     while w.stats()["spares_used"] == used:  # fill the second segment's reserve: the log rolls into the recycled one
-        w.append("fill", n, toks[:4096], lps[:4096], 0)
+        w.append("fill", n, fill_t, fill_l, 0)
         w.commit()
-        n += 4096
+        n += chunk
     return w
 
 
@@ -220,7 +225,7 @@ def inproc_step_steady(d: Path, b: int, seconds: float) -> float:
     toks, lps = _step_arrays(b)
     ids = _step_ids(b)
     frame = len(_step_frame(b))
-    w = _steady_log(d)
+    w = _steady_log(d, b)
     try:
         segs = w.stats()["segments"]
         base = np.zeros(b, dtype=np.int64)

@@ -34,7 +34,8 @@ from wal.base import TokenLog
 from wal.errors import ConflictError, FinalizedError, GapError, LogClosedError, RemoteError, WALError
 from wal.grpc_poller import grpc
 from wal.server import ERROR_KEY, SERVICE
-from wal.store import _POSITIONS, _index
+from wal.stepgroup import _POSITIONS
+from wal.store import _index
 from wal.types import Committed
 
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,

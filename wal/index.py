@@ -56,6 +56,18 @@ class Trajectory:
         if len(self.tok) >= BLOCK_TOKENS * TOKEN_BYTES:
             self.seal()
 
+    def grown(self) -> None:
+        """The rest of `add` for tokens and log-probs appended to `tok` and `lp` directly (by a step
+        group's dissolve, after `note_version`): length and sealing."""
+        self.length = len(self.tok_blocks) * BLOCK_TOKENS + len(self.tok) // TOKEN_BYTES
+        if len(self.tok) >= BLOCK_TOKENS * TOKEN_BYTES:
+            self.seal()
+
+    def note_version(self, version: int) -> None:
+        """The version run of positions about to be appended at the current length."""
+        if not self.version_runs or self.version_runs[-1][1] != version:
+            self.version_runs.append((self.length, version))
+
     def add_record(self, tokens, logprobs, version: int, lsn: int) -> None:
         """`add` for a record appended under `lsn`, not yet durable."""
         self.add(tokens, logprobs, version)

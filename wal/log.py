@@ -106,12 +106,15 @@ class Log:
             self._helper.start()
 
     # --- appending (caller holds `mutex`) ---
-    def append_locked(self, encode: Callable[[int, int], bytes]) -> int:
-        """Add encode(lsn, mark) to the batch; mark is codec.FLUSH_MARK for the first frame of a batch
-        (the next flush takes the whole batch, so that frame starts a flush), else 0."""
+    def append_locked(self, encode: Callable[[int, int], bytes | None]) -> int | None:
+        """Add encode(lsn, mark) to the batch and return its lsn; mark is codec.FLUSH_MARK for the first
+        frame of a batch (the next flush takes the whole batch, so that frame starts a flush), else 0.
+        An encode that returns None adds nothing, and so returns None."""
         self.check_open()
         lsn = self._next_lsn
         frame = encode(lsn, 0 if self._batch else codec.FLUSH_MARK)
+        if frame is None:
+            return None
         self._batch.append(frame)
         self._batch_bytes += len(frame)
         self._next_lsn = lsn + 1

@@ -9,9 +9,13 @@ row copy, whatever B.
 
 The group is an overlay of the index: its trajectories' objects do not see its rows until it is
 dissolved (`dissolve`), which the index does before anyone else looks at a trajectory, and when the
-group is full. Dissolving transposes the rows into columns (in tiles of TILE_ROWS rows, which stay in
-cache) and adds each column to its trajectory in one piece (blocks, version runs, length) and the not
-yet durable rows to its pending list, so reads after it are exactly those of item-by-item appends.
+group is full. Dissolving appends each column to its trajectory in one piece (in C, wal/_stepc.c; where
+rows carry several versions, or without the C module, through a copy transposed in tiles of TILE_ROWS
+rows), then its version runs, length and blocks, and the not yet durable rows to its pending list, so
+reads after it are exactly those of item-by-item appends.
+
+The step itself (`encode_row`: checks, STEP frame, row copy) is one C call where the module is built and
+the same operations in numpy and bytes otherwise (`_encode_row_py`), byte for byte the same.
 """
 from __future__ import annotations
 
@@ -21,24 +25,32 @@ from array import array
 
 import numpy as np
 
-from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, TOKEN_BYTES, TOKEN_DTYPE
+from wal import codec
+from wal.types import LOGPROB_BYTES, LOGPROB_DTYPE, STEP, TOKEN_BYTES, TOKEN_DTYPE
+
+try:  # the step in one C call (wal/_stepc.c); built by `pip install` where a compiler is, else the Python below
+    from wal import _stepc
+except ImportError:  # pragma: no cover - exercised by tests that clear it
+    _stepc = None
 
 ROW_BYTES_CAP = 32 << 20  # tokens + log-probs held per group before it is dissolved
 # Rows per group: one index block (BLOCK_TOKENS), so a group that starts block-aligned (a batch decoded from
 # position 0) hands each trajectory one whole block, allocated once, instead of growing its tail four times
 # (1,024 rows: 3.7 us more CPU per step at B = 512, most of it re-allocating the tails as they grow).
 MAX_ROWS = 4096  # = index.BLOCK_TOKENS (tests/wal/test_stepgroup.py checks)
+_TOKENS, _LOGPROBS, _POSITIONS = np.dtype("<i4"), np.dtype("<f8"), np.dtype("<i8")  # a step's arrays on the fast path
 TILE_ROWS = 16  # rows per tile of the transposition; 1024 x 512 float64 in 16-row tiles: 1.0 ms, whole: 2.9 ms
 _TILED_MIN_COLUMNS = 64  # narrower groups transpose in one copy
 
 
 class StepGroup:
-    __slots__ = ("ids", "trajs", "n", "capacity", "rows", "base_B", "next_B", "next_starts", "tok_RB", "lp_RB",
-                 "_tok_mv", "_lp_mv", "_ones_B", "version_R", "lsn_R", "lens", "ids_blob", "key")
+    __slots__ = ("ids", "trajs", "n", "capacity", "rows", "base_B", "next_B", "tok_RB", "lp_RB",
+                 "_tok_flat", "_lp_flat", "_tok_mv", "_lp_mv", "_ones_B", "version_R", "lsn_R", "lens", "ids_blob", "key")
 
     def __init__(self, ids: list[str], trajs: list, idbs: list[bytes], reuse: StepGroup | None = None) -> None:
-        """`reuse`: a dissolved group whose row arrays this one may take over (when their shape fits: no
-        fresh pages to fault in, ~1.5 us per step at B = 512)."""
+        """`reuse`: a dissolved group whose row memory this one may take over, whatever its width, when it
+        is large enough: no fresh pages to fault in (~1.5 pages a step at B = 512), also after a batch's
+        membership changed."""
         self.ids = list(ids)  # a copy: the caller may reuse and change its list
         self.trajs = trajs  # Trajectory objects, same order
         self.n = len(ids)
@@ -46,13 +58,14 @@ class StepGroup:
         self.rows = 0
         self.base_B = np.array([t.length for t in trajs], dtype="<i8")  # each trajectory's length at row 0
         self.next_B = self.base_B.copy()  # the positions the next row must carry
-        self.next_starts = self.next_B.tobytes()  # the same, packed
         self._ones_B = np.ones(self.n, "<i8")  # next_B += ones: half the cost of += 1 (no scalar conversion)
-        if reuse is not None and reuse.rows == 0 and reuse.tok_RB.shape == (self.capacity, self.n):
-            self.tok_RB, self.lp_RB = reuse.tok_RB, reuse.lp_RB
+        need = self.capacity * self.n
+        if reuse is not None and reuse.rows == 0 and reuse._tok_flat.size >= need:  # any width that fits
+            self._tok_flat, self._lp_flat = reuse._tok_flat, reuse._lp_flat
         else:
-            self.tok_RB = np.empty((self.capacity, self.n), TOKEN_DTYPE)  # row r: the tokens of step r
-            self.lp_RB = np.empty((self.capacity, self.n), LOGPROB_DTYPE)
+            self._tok_flat, self._lp_flat = np.empty(need, TOKEN_DTYPE), np.empty(need, LOGPROB_DTYPE)
+        self.tok_RB = self._tok_flat[:need].reshape(self.capacity, self.n)  # row r: the tokens of step r
+        self.lp_RB = self._lp_flat[:need].reshape(self.capacity, self.n)
         self._tok_mv = memoryview(self.tok_RB).cast("B")  # the rows as bytes: a step's packed row copies in
         self._lp_mv = memoryview(self.lp_RB).cast("B")
         self.version_R: list[int] = []
@@ -62,6 +75,11 @@ class StepGroup:
             lens.byteswap()
         self.lens, self.ids_blob = lens.tobytes(), b"".join(idbs)  # what every STEP record of the group carries
         self.key = None  # recovery: the tuple of ids its decoded records share (an identity check per record)
+
+    @property
+    def next_starts(self) -> bytes:
+        """The positions the next row must carry, packed (little-endian u64)."""
+        return self.next_B.tobytes()
 
     def matches(self, traj_ids, starts: bytes) -> bool:
         """Whether a step (ids, packed positions) is the group's next row."""
@@ -81,7 +99,42 @@ class StepGroup:
         self.lsn_R.append(lsn)
         self.rows = r + 1
         self.next_B += self._ones_B
-        self.next_starts = self.next_B.tobytes()
+
+    def encode_row(self, positions, tokens, logprobs, version: int, lsn: int, mark: int) -> bytes | None:
+        """The STEP frame of a step as a decode loop holds it (int32 tokens, float64 log-probs, int64
+        positions: numpy arrays of the group's width; `version` an int >= 0) that is the group's next row,
+        taken as row `lsn`: the frame, after the row is added. None, with nothing changed, for any other
+        step (other types or shapes, a negative token, a NaN, other positions, a full group): the general
+        path takes it and raises what it raises. The caller checked the ids (`matches`)."""
+        r = self.rows
+        if r >= self.capacity:
+            return None
+        if _stepc is not None:
+            frame = _stepc.encode_row(tokens, logprobs, positions, self.next_B, self.tok_RB, self.lp_RB, r, self.lens,
+                                      self.ids_blob, version, lsn, mark, STEP, codec.crc32c)
+            if frame is not None:
+                self.version_R.append(version)
+                self.lsn_R.append(lsn)
+                self.rows = r + 1
+            return frame
+        return self._encode_row_py(positions, tokens, logprobs, version, lsn, mark)
+
+    def _encode_row_py(self, positions, tokens, logprobs, version: int, lsn: int, mark: int) -> bytes | None:
+        """encode_row without the C module: the same checks, the same bytes, the same row."""
+        shape = (self.n,)
+        if (type(tokens) is not np.ndarray or type(logprobs) is not np.ndarray or type(positions) is not np.ndarray
+                or tokens.shape != shape or logprobs.shape != shape or positions.shape != shape
+                or tokens.dtype != _TOKENS or logprobs.dtype != _LOGPROBS or positions.dtype != _POSITIONS):
+            return None
+        if self.n and (codec._has_negative(tokens) or codec._has_nan(logprobs)):
+            return None
+        starts = positions.tobytes()
+        if starts != self.next_B.tobytes():
+            return None
+        tok, lp = tokens.tobytes(), logprobs.tobytes()
+        frame = codec.encode_step_blob(lsn, self.n, self.lens, self.ids_blob, starts, version, tok, lp, mark)
+        self.add_row(tok, lp, version, lsn)
+        return frame
 
     def dissolve(self, durable_lsn: int) -> None:
         """Hand every row to the trajectory objects (the group is not used afterwards)."""
@@ -89,32 +142,42 @@ class StepGroup:
         self.trajs = []  # a dissolved group keeps only its row arrays (for the next group), no trajectory
         if not rows:
             return
-        tok = memoryview(_transpose(self.tok_RB[:rows])).cast("B")  # column j: bytes j * rows * TOKEN_BYTES ..
-        lp = memoryview(_transpose(self.lp_RB[:rows])).cast("B")
-        tw, lw = rows * TOKEN_BYTES, rows * LOGPROB_BYTES
         versions = self.version_R
         cuts = [r for r in range(1, rows) if versions[r] != versions[r - 1]]
         runs = [(lo, hi, versions[lo]) for lo, hi in zip([0, *cuts], [*cuts, rows])]  # (first row, end row, version)
+        bases = [t.length for t in trajs]
+        if _stepc is not None and len(runs) == 1:  # one version: each column appended in place, in C
+            for t in trajs:
+                t.note_version(runs[0][2])
+            _stepc.append_columns(self.tok_RB, rows, [t.tok for t in trajs])
+            _stepc.append_columns(self.lp_RB, rows, [t.lp for t in trajs])
+            for t in trajs:
+                t.grown()
+        else:
+            self._add_columns(trajs, rows, runs)
         n_durable = bisect.bisect_right(self.lsn_R, durable_lsn)
         last_durable = self.lsn_R[n_durable - 1] if n_durable else None
         later = self.lsn_R[n_durable:]
-        for j, t in enumerate(trajs):
-            base = t.length
-            if len(runs) == 1:
-                t.add(tok[j * tw:(j + 1) * tw], lp[j * lw:(j + 1) * lw], runs[0][2])
-            else:
-                for lo, hi, v in runs:
-                    t.add(tok[j * tw + lo * TOKEN_BYTES:j * tw + hi * TOKEN_BYTES],
-                          lp[j * lw + lo * LOGPROB_BYTES:j * lw + hi * LOGPROB_BYTES], v)
+        for t, base in zip(trajs, bases):
             pending = t.pending
             if last_durable is not None:
                 pending.append((last_durable, base + n_durable))  # settled by the next read
             for k, lsn in enumerate(later, n_durable + 1):
                 pending.append((lsn, base + k))
-        tok.release()
-        lp.release()
         self.rows = 0
         self.version_R, self.lsn_R = [], []
+
+    def _add_columns(self, trajs: list, rows: int, runs: list[tuple[int, int, int]]) -> None:
+        """dissolve's columns through a transposed copy, one `add` per version run."""
+        tok = memoryview(_transpose(self.tok_RB[:rows])).cast("B")  # column j: bytes j * rows * TOKEN_BYTES ..
+        lp = memoryview(_transpose(self.lp_RB[:rows])).cast("B")
+        tw, lw = rows * TOKEN_BYTES, rows * LOGPROB_BYTES
+        for j, t in enumerate(trajs):
+            for lo, hi, v in runs:
+                t.add(tok[j * tw + lo * TOKEN_BYTES:j * tw + hi * TOKEN_BYTES],
+                      lp[j * lw + lo * LOGPROB_BYTES:j * lw + hi * LOGPROB_BYTES], v)
+        tok.release()
+        lp.release()
 
 
 def _transpose(a_RB: np.ndarray) -> np.ndarray:

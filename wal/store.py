@@ -27,7 +27,6 @@ from wal.log import Log
 from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
 
 
-_TOKENS, _LOGPROBS, _POSITIONS = np.dtype(codec.TOKEN_DTYPE), np.dtype(codec.LOGPROB_DTYPE), np.dtype("<i8")
 
 
 class Store:
@@ -261,34 +260,21 @@ class Store:
 
     def _step_fast(self, traj_ids, positions, tokens, logprobs, policy_version) -> bool:
         """append_step for a step given as a decode loop holds it (int32 tokens, float64 log-probs and
-        int64 positions as numpy arrays, an int version) that is the step group's next row, with the
-        checks of the general path inlined: True when it is logged. Anything else (other types, a bad
-        value, other ids or positions, a closed log) returns False before changing anything, and the
-        general path takes the step (and raises what it raises)."""
+        int64 positions as numpy arrays, an int version) that is the step group's next row: checked,
+        encoded and added in one StepGroup.encode_row. True when it is logged. Anything else (other
+        types, a bad value, other ids or positions, a closed log) returns False before changing
+        anything, and the general path takes the step (and raises what it raises)."""
         g = self.tokens.group
-        if (g is None or type(tokens) is not np.ndarray or type(logprobs) is not np.ndarray
-                or type(positions) is not np.ndarray or type(policy_version) is not int or policy_version < 0):
+        if g is None or type(policy_version) is not int or policy_version < 0:
             return False
-        shape = (g.n,)
-        if (tokens.shape != shape or logprobs.shape != shape or positions.shape != shape or tokens.dtype != _TOKENS
-                or logprobs.dtype != _LOGPROBS or positions.dtype != _POSITIONS):
-            return False
-        if tokens[tokens.argmin()] < 0:  # codec.pack_tokens's check
-            return False
-        d = logprobs.dot(logprobs)  # codec.pack_logprobs's NaN check
-        if d != d:
-            return False
-        starts = positions.tobytes()
-        if starts != g.next_starts:
-            return False
-        tok, lp = tokens.tobytes(), logprobs.tobytes()
         log = self.log
         with self.mutex:
-            if self.tokens.group is not g or not g.matches(traj_ids, starts) or log.check_failed():
+            if (self.tokens.group is not g or log.check_failed()
+                    or (traj_ids if type(traj_ids) is list else list(traj_ids)) != g.ids):
                 return False
-            lsn = log.append_locked(lambda lsn, mark: codec.encode_step_blob(
-                lsn, g.n, g.lens, g.ids_blob, starts, policy_version, tok, lp, mark))
-            g.add_row(tok, lp, policy_version, lsn)
+            lsn = log.append_locked(lambda lsn, mark: g.encode_row(positions, tokens, logprobs, policy_version, lsn, mark))
+            if lsn is None:
+                return False
             big = log.batch_bytes > self.config.max_batch_bytes
         if big:
             log.commit()

@@ -17,8 +17,18 @@ def _same(a, b, ids) -> None:
         assert a.policy_versions(t) == b.policy_versions(t), t
 
 
+@pytest.fixture(params=["c", "python"])
+def step_impl(request, monkeypatch):
+    """The group's step encoder: the C module (wal/_stepc.c) or the Python one it replaces."""
+    if request.param == "python":
+        monkeypatch.setattr(stepgroup, "_stepc", None)
+    elif stepgroup._stepc is None:
+        pytest.fail("wal._stepc is not built: `make install` compiles it (needs a C compiler)")
+    return request.param
+
+
 @pytest.mark.parametrize("seed,max_rows,tile_rows", [(0, 3, 16), (1, 1024, 16), (2, 1, 16), (3, 7, 2), (4, 1024, 3)])
-def test_step_group_reads_equal_item_by_item_appends(tmp_path, monkeypatch, seed, max_rows, tile_rows):
+def test_step_group_reads_equal_item_by_item_appends(tmp_path, monkeypatch, step_impl, seed, max_rows, tile_rows):
     monkeypatch.setattr(stepgroup, "MAX_ROWS", max_rows)  # small groups: dissolved and restarted often
     if tile_rows != stepgroup.TILE_ROWS:  # the tiled transposition (partial last tiles included); else one copy
         monkeypatch.setattr(stepgroup, "TILE_ROWS", tile_rows)
@@ -107,7 +117,7 @@ def test_a_full_group_is_one_index_block():
     assert stepgroup.MAX_ROWS == BLOCK_TOKENS
 
 
-def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path):
+def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path, step_impl):
     """Steps as a decode loop holds them (int32 / float64 / int64 arrays) take Store._step_fast; a bad
     value, another dtype or shape, a numpy version or a closed log leaves it for the general path, which
     logs or refuses exactly as it does for any other input."""

@@ -1,0 +1,176 @@
+"""The WAL's batched-decode step in C (wal/_stepc.c) against the Python step it replaces
+(StepGroup._encode_row_py): byte-identical frames and identical groups for every step the fast path
+takes, and None with nothing changed for every step it must leave to the general path."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wal import codec, stepgroup
+from wal.index import Trajectory
+from wal.stepgroup import StepGroup
+from wal.types import STEP, StepRecord
+
+_stepc = stepgroup._stepc
+
+
+def test_the_c_step_is_built():
+    assert _stepc is not None, "wal._stepc is not built: `make install` compiles it (needs a C compiler)"
+
+
+def _group(n: int, base: int = 0, reuse=None) -> StepGroup:
+    ids = [f"traj-{k:05d}-" + "x" * (k % 7) for k in range(n)]
+    trajs = [Trajectory(i.encode()) for i in ids]
+    for t in trajs:
+        t.length = base
+    return StepGroup(ids, trajs, [t.idb for t in trajs], reuse)
+
+
+def _state(g: StepGroup):
+    return (g.rows, g.next_B.tobytes(), g.tok_RB[:g.rows].tobytes(), g.lp_RB[:g.rows].tobytes(), list(g.version_R),
+            list(g.lsn_R))
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
+@pytest.mark.parametrize("seed,n", [(0, 1), (1, 5), (2, 64), (3, 512), (4, 3000)])
+def test_c_and_python_write_the_same_frames_and_rows(monkeypatch, seed, n):
+    rng = np.random.default_rng(seed)
+    base = int(rng.integers(0, 1 << 40))
+    c, py = _group(n, base), _group(n, base)
+    for r in range(12):
+        tok = rng.integers(0, 1 << 31, n, dtype=np.int32)
+        lp = -rng.random(n) * 30
+        lp[rng.random(n) < 0.1] = -np.inf  # a log-probability, not a NaN: taken
+        pos = c.next_B.copy()
+        version, lsn, mark = int(rng.integers(0, 1 << 62)), int(rng.integers(1, 1 << 62)), int(rng.choice([0, codec.FLUSH_MARK]))
+        fc = c.encode_row(pos, tok, lp, version, lsn, mark)
+        monkeypatch.setattr(stepgroup, "_stepc", None)
+        fp = py.encode_row(pos, tok, lp, version, lsn, mark)
+        monkeypatch.setattr(stepgroup, "_stepc", _stepc)
+        assert fc is not None and fc == fp, f"row {r}: the frames differ"
+        assert _state(c) == _state(py)
+        rec = codec.decode(fc)  # a whole, checked frame of the step
+        assert isinstance(rec, StepRecord) and rec.lsn == lsn and rec.policy_version == version
+        assert codec.starts_flush(fc, 0) == (mark == codec.FLUSH_MARK)
+        assert bytes(rec.tokens) == tok.tobytes() and bytes(rec.logprobs) == lp.tobytes() and list(rec.starts) == pos.tolist()
+    # the frame is what the codec's own encoder writes, and decodes back
+    assert fc == codec.encode_step_record(lsn, [t.idb for t in c.trajs], pos.tobytes(), version, tok.tobytes(),
+                                          lp.tobytes(), mark)
+
+
+def _bad_steps(g: StepGroup):
+    """(name, positions, tokens, log-probs, version) of steps the fast path must not take."""
+    n = g.n
+    pos, tok, lp = g.next_B.copy(), np.arange(n, dtype=np.int32), -np.linspace(0.1, 3, n)
+    neg = tok.copy()
+    neg[n // 2] = -1
+    nan = lp.copy()
+    nan[-1] = np.nan
+    later = pos.copy()
+    later[0] += 1
+    wide_tok, wide_lp, wide_pos = np.zeros((n, 2), np.int32), np.zeros((n, 2)), np.zeros((n, 2), np.int64)
+    wide_pos[:, 0] = pos
+    yield "tokens int64", pos, tok.astype(np.int64), lp, 0
+    yield "tokens uint32", pos, tok.astype(np.uint32), lp, 0
+    yield "tokens big-endian", pos, tok.astype(">i4"), lp, 0
+    yield "log-probs float32", pos, tok, lp.astype(np.float32), 0
+    yield "positions int32", pos.astype(np.int32), tok, lp, 0
+    yield "positions uint64", pos.astype(np.uint64), tok, lp, 0
+    yield "tokens as a list", pos, tok.tolist(), lp, 0
+    yield "tokens as bytes", pos, tok.tobytes(), lp, 0
+    yield "one token short", pos, tok[:-1], lp, 0
+    yield "one log-prob more", pos, tok, np.append(lp, -1.0), 0
+    yield "strided tokens", pos, wide_tok[:, 0], lp, 0
+    yield "strided log-probs", pos, tok, wide_lp[:, 1], 0
+    yield "strided positions", wide_pos[:, 0], tok, lp, 0
+    yield "2-D tokens", pos, tok.reshape(1, n), lp, 0
+    yield "a negative token", pos, neg, lp, 0
+    yield "a NaN", pos, tok, nan, 0
+    yield "not the next position", later, tok, lp, 0
+    yield "the previous positions", pos - 1, tok, lp, 0
+    yield "a negative version", pos, tok, lp, -1
+    yield "a version past u64", pos, tok, lp, 1 << 64
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+def test_steps_off_the_fast_path_change_nothing(monkeypatch, impl):
+    if impl == "python":
+        monkeypatch.setattr(stepgroup, "_stepc", None)
+    elif _stepc is None:
+        pytest.skip("wal._stepc not built (test_the_c_step_is_built fails)")
+    g = _group(9, 17)
+    g.encode_row(g.next_B.copy(), np.arange(9, dtype=np.int32), -np.ones(9), 3, 1, codec.FLUSH_MARK)
+    before = _state(g)
+    for name, pos, tok, lp, version in _bad_steps(g):
+        if impl == "python" and (version < 0 or version >= 1 << 64 or name.startswith("strided")):
+            continue  # Store._step_fast refuses these versions first; numpy copies strided arrays (C leaves them)
+        assert g.encode_row(pos, tok, lp, version, 2, 0) is None, name
+        assert _state(g) == before, name
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
+def test_a_full_group_and_bad_arguments():
+    g = _group(4)
+    g.capacity = 2
+    step = lambda: (g.next_B.copy(), np.zeros(4, np.int32), np.zeros(4))  # noqa: E731
+    assert g.encode_row(*step(), 0, 1, 0) is not None and g.encode_row(*step(), 0, 2, 0) is not None
+    assert g.encode_row(*step(), 0, 3, 0) is None and g.rows == 2  # full: the caller starts a new group
+    pos, tok, lp = step()
+    with pytest.raises(TypeError, match="14 arguments"):
+        _stepc.encode_row(tok, lp, pos)
+    with pytest.raises(TypeError, match="bytes"):
+        _stepc.encode_row(tok, lp, pos, g.next_B, g.tok_RB, g.lp_RB, 0, bytearray(8), g.ids_blob, 0, 1, 0, STEP, codec.crc32c)
+    with pytest.raises(ValueError, match="one u16"):
+        _stepc.encode_row(tok, lp, pos, g.next_B, g.tok_RB, g.lp_RB, 0, b"\0" * 6, g.ids_blob, 0, 1, 0, STEP, codec.crc32c)
+    with pytest.raises(ValueError, match="u32"):
+        _stepc.encode_row(tok, lp, pos, g.next_B, g.tok_RB, g.lp_RB, 0, g.lens, g.ids_blob, 0, 1, 1 << 33, STEP, codec.crc32c)
+    with pytest.raises(TypeError, match="int64"):
+        _stepc.encode_row(tok, lp, pos, g.next_B.astype(np.int32), g.tok_RB, g.lp_RB, 0, g.lens, g.ids_blob, 0, 1, 0, STEP,
+                          codec.crc32c)
+
+    def broken(_):
+        raise RuntimeError("checksum failed")
+    g = _group(4)
+    before = _state(g)
+    with pytest.raises(RuntimeError, match="checksum failed"):  # raised, and the group is as it was
+        _stepc.encode_row(*step()[1:], step()[0], g.next_B, g.tok_RB, g.lp_RB, 0, g.lens, g.ids_blob, 0, 1, 0, STEP,
+                          broken)
+    assert _state(g) == before
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
+def test_a_step_that_is_a_view_of_the_rows():
+    """A caller may hand back a row of the group's own arrays (memmove, not memcpy)."""
+    g = _group(6)
+    tok, lp = np.arange(6, dtype=np.int32) + 40, -np.arange(6) / 3
+    g.encode_row(g.next_B.copy(), tok, lp, 0, 1, 0)
+    frame = g.encode_row(g.next_B.copy(), g.tok_RB[0], g.lp_RB[0], 0, 2, 0)
+    assert frame is not None and g.tok_RB[1].tolist() == tok.tolist() and g.lp_RB[1].tolist() == lp.tolist()
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
+@pytest.mark.parametrize("dtype,n,rows", [(np.int32, 1, 1), (np.int32, 37, 100), (np.float64, 512, 300), (np.float64, 16, 0)])
+def test_append_columns_is_a_transpose(dtype, n, rows):
+    rng = np.random.default_rng(n)
+    a = (rng.random((rows + 5, n)) * 1e6).astype(dtype)
+    outs = [bytearray(b"head%d" % j) for j in range(n)]
+    assert _stepc.append_columns(a, rows, outs) is None
+    for j in range(n):
+        assert bytes(outs[j]) == b"head%d" % j + a[:rows, j].tobytes()
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
+def test_append_columns_refuses_and_changes_nothing():
+    a = np.zeros((4, 3), np.float64)
+    outs = [bytearray(b"x") for _ in range(3)]
+    for args, err in (((a, 5, outs), ValueError), ((a, 2, outs[:2]), ValueError), ((a[:, :2], 2, outs[:2]), ValueError),
+                      ((a.astype(np.int16), 2, outs), ValueError), ((a, 2, tuple(outs)), TypeError),
+                      ((a, 2, [*outs[:2], b"x"]), TypeError), ((a, -1, outs), ValueError)):
+        with pytest.raises(err):
+            _stepc.append_columns(*args)
+        assert outs == [bytearray(b"x")] * 3
+    held = memoryview(outs[2])  # an exported bytearray cannot grow: the ones grown before it are cut back
+    with pytest.raises(BufferError):
+        _stepc.append_columns(a, 2, outs)
+    held.release()
+    assert outs == [bytearray(b"x")] * 3
