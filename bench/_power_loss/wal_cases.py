@@ -13,6 +13,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 import wal
 
 # (segment_bytes, preallocate_bytes, spare_segments, recycle_segments): segments preallocated whole (every
@@ -27,6 +29,16 @@ def token(traj: str, pos: int) -> int:
 
 def logprob(traj: str, pos: int) -> float:
     return -((int(traj.split("-")[1]) + pos) % 1000) / 997.0
+
+
+def _step(w, ids: list[str], pos: list[int], version: int, numpy_form: bool) -> None:
+    """One batched decode step as lists, or as a decode loop holds it (int32 / float64 / int64 arrays:
+    the step group's C path, where the module is built)."""
+    tok, lp = [token(t, q) for t, q in zip(ids, pos)], [logprob(t, q) for t, q in zip(ids, pos)]
+    if numpy_form:
+        w.append_step(ids, np.array(pos, np.int64), np.array(tok, np.int32), np.array(lp, np.float64), version)
+    else:
+        w.append_step(ids, pos, tok, lp, version)
 
 
 def request(sb: str, seq: int) -> bytes:
@@ -186,14 +198,14 @@ class TokenCase:
                 s2 = lengths[other]
                 w.append(other, s2, [token(other, s2)], [logprob(other, s2)], s2 // 50)
                 lengths[other] = s2 + 1
-            if rng.random() < 0.3:  # a batched decode step: one token for every live trajectory
-                for version in sorted({q // 50 for q in lengths.values()}):
-                    ids = [t for t in sorted(lengths) if lengths[t] // 50 == version]
-                    pos = [lengths[t] for t in ids]
-                    w.append_step(ids, pos, [token(t, q) for t, q in zip(ids, pos)],
-                                  [logprob(t, q) for t, q in zip(ids, pos)], version)
-                    for t in ids:
-                        lengths[t] += 1
+            if rng.random() < 0.3:  # batched decode steps: one token for every live trajectory, 1-3 steps in a row
+                for _ in range(1 + step % 3):  # (a run over the same ids takes the step group's row path)
+                    for version in sorted({q // 50 for q in lengths.values()}):
+                        ids = [t for t in sorted(lengths) if lengths[t] // 50 == version]
+                        pos = [lengths[t] for t in ids]
+                        _step(w, ids, pos, version, numpy_form=step % 2 == 0)
+                        for t in ids:
+                            lengths[t] += 1
             w.commit()
             rec.mark(("A", dict(lengths)))
             if rng.random() < 0.12:

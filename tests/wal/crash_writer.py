@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 import sys
 
+import numpy as np
+
 import wal
 
 
@@ -62,14 +64,18 @@ def main(argv: list[str], out=sys.stdout) -> None:
                 w.append(continue_traj, s2, [token(continue_traj, s2)], [logprob(continue_traj, s2)], s2 // 50)
                 live[continue_traj] = s2 + 1
         live[traj] = start + n
-        if rng.random() < 0.2:  # a batched decode step: one token for every live trajectory (one call per version)
-            for version in sorted({live[t] // 50 for t in live}):
-                ids = [t for t in sorted(live) if live[t] // 50 == version]
-                pos = [live[t] for t in ids]
-                w.append_step(ids, pos, [token(t, p) for t, p in zip(ids, pos)], [logprob(t, p) for t, p in zip(ids, pos)],
-                              version)
-                for t in ids:
-                    live[t] += 1
+        if rng.random() < 0.2:  # batched decode steps: one token for every live trajectory (one call per version),
+            for rep in range(1 + len(live) % 3):  # 1-3 in a row, as lists or as numpy arrays (the C step)
+                for version in sorted({live[t] // 50 for t in live}):
+                    ids = [t for t in sorted(live) if live[t] // 50 == version]
+                    pos = [live[t] for t in ids]
+                    tok, lp = [token(t, p) for t, p in zip(ids, pos)], [logprob(t, p) for t, p in zip(ids, pos)]
+                    if rep % 2:
+                        w.append_step(ids, np.array(pos, np.int64), np.array(tok, np.int32), np.array(lp), version)
+                    else:
+                        w.append_step(ids, pos, tok, lp, version)
+                    for t in ids:
+                        live[t] += 1
         w.commit()
         out.write("A " + " ".join(f"{t}:{k}" for t, k in sorted(live.items())) + "\n")
         if rng.random() < 0.05:
