@@ -6,5 +6,5 @@
     snapshot_case.py    KV snapshots: whole and valid, or absent and rejected as missing
     checkpoint_case.py  learner checkpoints: whole and verified, or absent; `latest` never goes back
     canaries.py         builds with one sync removed, compiled from the source without that line
-    step_ab.py          the WAL's batched-decode step, this tree against the tree before the I/O layer
+    step_ab.py          the WAL's batched-decode step, this tree against itself with the I/O layer bypassed
 """

@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_power_loss_smoke(tmp_path):
     out_file = tmp_path / "power_loss.json"
@@ -28,3 +30,17 @@ def test_bench_power_loss_smoke(tmp_path):
 def test_the_docs_show_the_committed_figures():
     r = subprocess.run([sys.executable, "docs/power_loss_figures.py", "--check"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_step_ab_bypasses_exactly_the_flush_io(tmp_path):
+    """The A/B's 'before' is this tree's commit with the flush's pwrite and fdatasync straight on os; a
+    wal/log.py that no longer reads as expected is refused rather than measured unchanged."""
+    from bench._power_loss import step_ab
+
+    step_ab.export_tree("HEAD", tmp_path / "t")
+    step_ab.bypass_layer(tmp_path / "t")
+    text = (tmp_path / "t" / "wal" / "log.py").read_text()
+    assert "os.pwrite(self._fd, data, self._pos)" in text and "os.fdatasync(self._fd)" in text
+    assert "fileio.pwrite_all(self._fd, data, self._pos)" not in text
+    with pytest.raises(RuntimeError, match="exactly one"):
+        step_ab.bypass_layer(tmp_path / "t")  # already rewritten
