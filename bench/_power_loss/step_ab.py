@@ -137,6 +137,8 @@ def measure(b: int = 512, rounds: int = 10, chunks: int = 40, chunk: int = 20, d
         commit = export_tree(rev or "HEAD", base / "before")
         if rev is None:
             bypass_layer(base / "before")
+            for built in (ROOT / "wal").glob("_stepc*.so"):  # the same compiled step on both sides
+                shutil.copy2(built, base / "before" / "wal" / built.name)
         for _ in range(rounds):  # fresh processes each round: a process's own luck (placement, layout) averages out
             before, after = _Worker(base / "before", base, b, chunk), _Worker(ROOT, base, b, chunk)
             try:
