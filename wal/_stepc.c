@@ -46,8 +46,8 @@ static int format_is(const char *fmt, Py_ssize_t itemsize, char kind, Py_ssize_t
     if (fmt[0] == '\0' || fmt[1] != '\0')
         return 0;
     switch (kind) {
-    case 'i': /* a signed integer of want_size bytes */
-        return fmt[0] == 'i' || fmt[0] == 'l' || fmt[0] == 'q' || fmt[0] == 'h' || fmt[0] == 'b';
+    case 'i': /* a signed integer of want_size bytes (4: 'i' or 'l'; 8: 'l' or 'q', by platform) */
+        return fmt[0] == 'i' || fmt[0] == 'l' || fmt[0] == 'q';
     case 'f': /* an IEEE double */
         return fmt[0] == 'd';
     }

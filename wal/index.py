@@ -48,13 +48,10 @@ class Trajectory:
         self.idb = idb  # the trajectory id, UTF-8 (what a record carries)
 
     def add(self, tokens, logprobs, version: int) -> None:
-        if not self.version_runs or self.version_runs[-1][1] != version:
-            self.version_runs.append((self.length, version))
+        self.note_version(version)
         self.tok += tokens
         self.lp += logprobs
-        self.length = len(self.tok_blocks) * BLOCK_TOKENS + len(self.tok) // TOKEN_BYTES
-        if len(self.tok) >= BLOCK_TOKENS * TOKEN_BYTES:
-            self.seal()
+        self.grown()
 
     def grown(self) -> None:
         """The rest of `add` for tokens and log-probs appended to `tok` and `lp` directly (by a step

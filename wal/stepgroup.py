@@ -38,7 +38,7 @@ ROW_BYTES_CAP = 32 << 20  # tokens + log-probs held per group before it is disso
 # position 0) hands each trajectory one whole block, allocated once, instead of growing its tail four times
 # (1,024 rows: 3.7 us more CPU per step at B = 512, most of it re-allocating the tails as they grow).
 MAX_ROWS = 4096  # = index.BLOCK_TOKENS (tests/wal/test_stepgroup.py checks)
-_TOKENS, _LOGPROBS, _POSITIONS = np.dtype("<i4"), np.dtype("<f8"), np.dtype("<i8")  # a step's arrays on the fast path
+_TOKENS, _LOGPROBS, _POSITIONS = codec._TOKEN_NP, codec._LOGPROB_NP, np.dtype("<i8")  # a step's arrays on the fast path
 TILE_ROWS = 16  # rows per tile of the transposition; 1024 x 512 float64 in 16-row tiles: 1.0 ms, whole: 2.9 ms
 _TILED_MIN_COLUMNS = 64  # narrower groups transpose in one copy
 
@@ -85,6 +85,10 @@ class StepGroup:
         """Whether a step (ids, packed positions) is the group's next row."""
         if self.rows >= self.capacity or starts != self.next_starts:
             return False
+        return self.same_ids(traj_ids)
+
+    def same_ids(self, traj_ids) -> bool:
+        """Whether a step's ids are the group's, in order."""
         return (traj_ids if type(traj_ids) is list else list(traj_ids)) == self.ids
 
     def add_row(self, tokens: bytes, logprobs: bytes, version: int, lsn: int) -> None:

@@ -269,8 +269,7 @@ class Store:
             return False
         log = self.log
         with self.mutex:
-            if (self.tokens.group is not g or log.check_failed()
-                    or (traj_ids if type(traj_ids) is list else list(traj_ids)) != g.ids):
+            if self.tokens.group is not g or log.check_failed() or not g.same_ids(traj_ids):
                 return False
             lsn = log.append_locked(lambda lsn, mark: g.encode_row(positions, tokens, logprobs, policy_version, lsn, mark))
             if lsn is None:

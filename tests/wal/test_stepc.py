@@ -185,8 +185,8 @@ def test_random_steps_give_the_python_answer_or_none():
     dtypes = [np.int32, np.int64, np.uint32, np.float64, np.float32, np.int16, ">i4", ">f8", np.bool_]
     for trial in range(400):
         n = int(rng.integers(1, 40))
-        c, py = _group(n, int(rng.integers(0, 1000))), None
-        py = _group(n, int(c.base_B[0]))
+        base = int(rng.integers(0, 1000))
+        c, py = _group(n, base), _group(n, base)
         for r in range(int(rng.integers(1, 6))):
             def arr(kind_default, make):
                 dt = kind_default if rng.random() < 0.85 else dtypes[rng.integers(len(dtypes))]
