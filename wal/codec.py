@@ -47,6 +47,7 @@ from wal.types import (
     EnvResultRecord,
     FinalizeRecord,
     Record,
+    Starts,
     StepRecord,
     TokensRecord,
 )
@@ -83,10 +84,11 @@ def _has_negative(x: np.ndarray) -> bool:
 
 
 def _has_nan(x: np.ndarray) -> bool:
-    """Whether float64 `x` holds a NaN: x . x is NaN exactly then (squares are >= 0 or +inf, never NaN
-    unless an element is), in one BLAS call, four times cheaper than a sum + isnan at 512 elements."""
-    d = x.dot(x)
-    return d != d
+    """Whether non-empty float64 `x` holds a NaN: argmin returns the first NaN where there is one (0.35 us at
+    512, a third of isnan + any). A dot product x . x was as fast but overflowed, with a warning, on
+    values past 1e154, and handed the work to BLAS."""
+    v = x[x.argmin()]
+    return v != v
 
 
 class CodecError(ValueError):
@@ -279,11 +281,8 @@ def _decode_step(body: bytes, lsn: int, off: int, ids_cache: list | None = None)
     ids_at = lp_at + LOGPROB_BYTES * n
     if ids_at > len(body):
         raise CodecError("step record length mismatch")
-    starts = array("q")
-    starts.frombytes(body[starts_at:tok_at])
-    if not _LITTLE:
-        starts.byteswap()
-    if n and min(starts) < 0:
+    starts = bytes(body[starts_at:tok_at])
+    if n and _has_negative(np.frombuffer(starts, "<i8")):
         raise CodecError("step record length mismatch")
     lens_raw, ids_raw = bytes(body[off:starts_at]), bytes(body[ids_at:])
     if ids_cache is not None and ids_cache[1] == ids_raw and ids_cache[0] == lens_raw:
@@ -305,7 +304,7 @@ def _decode_step(body: bytes, lsn: int, off: int, ids_cache: list | None = None)
         if ids_cache is not None:
             ids_cache[:] = [lens_raw, ids_raw, ids]
     view = memoryview(body)
-    return StepRecord(lsn, version, ids, tuple(starts), view[tok_at:lp_at], view[lp_at:ids_at])
+    return StepRecord(lsn, version, ids, Starts(starts), view[tok_at:lp_at], view[lp_at:ids_at])
 
 
 def decode(frame: bytes) -> Record:

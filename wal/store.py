@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-from array import array
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +23,7 @@ from wal.envindex import EnvIndex
 from wal.errors import ConflictError, CorruptionError, GapError, WALError
 from wal.index import TokenIndex, Trajectory
 from wal.log import Log
-from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, Starts, StepRecord, TokensRecord
 
 
 
@@ -108,7 +107,9 @@ class Store:
         g = self.tokens.group
         if g is None or g.n != len(rec.traj_ids):
             return False
-        if array("q", rec.starts).tobytes() != g.next_starts or (rec.traj_ids is not g.key and list(rec.traj_ids) != g.ids):
+        starts = rec.starts
+        packed = starts.packed if type(starts) is Starts else codec.pack_positions(starts)
+        if packed != g.next_starts or (rec.traj_ids is not g.key and list(rec.traj_ids) != g.ids):
             return False
         g.key = rec.traj_ids  # the scan's records share this tuple while the ids stay the same
         if g.rows >= g.capacity:

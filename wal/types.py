@@ -5,6 +5,9 @@ float64 (`LOGPROB_DTYPE`), so a record never holds one Python object per token.
 """
 from __future__ import annotations
 
+import sys
+from array import array
+from collections.abc import Sequence
 from typing import NamedTuple
 
 TOKEN_DTYPE = "<i4"
@@ -45,6 +48,50 @@ class TokensRecord(NamedTuple):
         return len(self.tokens) // TOKEN_BYTES
 
 
+class Starts(Sequence):
+    """A decoded STEP record's positions, kept as the little-endian int64 bytes of the frame (`packed`) and
+    unpacked on first access: a sequence of ints, equal to the tuple of the same ints. Recovery compares
+    `packed` with the positions its step group expects next and never unpacks them; unpacking 512 ints
+    cost more than the rest of a record's decode."""
+
+    __slots__ = ("packed", "_values")
+
+    def __init__(self, packed: bytes) -> None:
+        self.packed = packed
+        self._values: tuple[int, ...] | None = None
+
+    def _tuple(self) -> tuple[int, ...]:
+        if self._values is None:
+            values = array("q")
+            values.frombytes(self.packed)
+            if sys.byteorder != "little":
+                values.byteswap()
+            self._values = tuple(values)
+        return self._values
+
+    def __len__(self) -> int:
+        return len(self.packed) // 8
+
+    def __getitem__(self, i):
+        return self._tuple()[i]
+
+    def __iter__(self):
+        return iter(self._tuple())
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Starts):
+            return self.packed == other.packed
+        if isinstance(other, tuple):
+            return self._tuple() == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._tuple())
+
+    def __repr__(self) -> str:
+        return repr(self._tuple())
+
+
 class StepRecord(NamedTuple):
     """One batched decode step: token i of `tokens` at position starts[i] of traj_ids[i] (distinct ids),
     all sampled under one policy version; one frame, one checksum. Equivalent to one one-token
@@ -53,7 +100,7 @@ class StepRecord(NamedTuple):
     lsn: int
     policy_version: int
     traj_ids: tuple[str, ...]
-    starts: tuple[int, ...]
+    starts: tuple[int, ...]  # a Starts when decoded
     tokens: bytes  # packed TOKEN_DTYPE, one per trajectory (a read-only memoryview when decoded)
     logprobs: bytes  # packed LOGPROB_DTYPE, likewise
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from wal import codec
-from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, StepRecord, TokensRecord
+from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Starts, StepRecord, TokensRecord
 
 ids = st.text(min_size=1, max_size=40).filter(lambda s: len(s.encode()) <= codec.MAX_ID_BYTES)
 lsns = st.integers(0, 2**63 - 1)
@@ -47,8 +47,11 @@ records = st.one_of(
 @given(records)
 def test_roundtrip_property(rec):
     frame = codec.encode(rec)
-    assert codec.decode(frame) == rec
-    assert codec.encode(codec.decode(frame)) == frame
+    dec = codec.decode(frame)
+    assert dec == rec
+    assert codec.encode(dec) == frame
+    if isinstance(rec, StepRecord):  # the packed positions recovery compares are the positions' own bytes
+        assert type(dec.starts) is Starts and dec.starts.packed == codec.pack_positions(rec.starts)
 
 
 @settings(max_examples=150, deadline=None)
@@ -191,3 +194,34 @@ def test_step_record_is_one_frame_equal_to_one_tokens_record_per_trajectory():
         codec.pack_positions([1, -2])
     with pytest.raises(codec.CodecError, match="positions"):
         codec.pack_positions([1.5])
+
+
+def test_decoded_step_positions_are_a_tuple_to_every_reader():
+    starts = (0, 5, 2**63 - 1)
+    frame = codec.encode_step_record(3, [b"a", b"b", b"c"], codec.pack_positions(starts), 1,
+                                     codec.pack_tokens([1, 2, 3]), codec.pack_logprobs([-1.0, -2.0, -3.0], 3))
+    got = codec.decode(frame).starts
+    assert type(got) is Starts and got.packed == codec.pack_positions(starts)
+    assert got == starts and starts == got and got != (0, 5, 7) and got != list(starts)
+    assert len(got) == 3 and got[1] == 5 and got[-1] == 2**63 - 1 and list(got) == list(starts) and 5 in got
+    assert hash(got) == hash(starts) and repr(got) == repr(starts)
+    assert got == Starts(codec.pack_positions(starts)) and got != Starts(codec.pack_positions((0, 5, 6)))
+
+
+@pytest.mark.parametrize("n", [1, 3, 64, 65, 512])
+def test_nan_is_refused_anywhere_and_huge_logprobs_pass_silently(n):
+    import warnings
+
+    lps = np.full(n, -1e300)  # finite: squared they overflow, which a NaN check must not trip on
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert codec.pack_logprobs(lps, n) == lps.tobytes()
+        assert codec.pack_logprobs(lps.tolist(), n) == lps.tobytes()
+    for at in {0, n // 2, n - 1}:
+        bad = lps.copy()
+        bad[at] = np.nan
+        for given in (bad, bad.tolist()):
+            with pytest.raises(codec.CodecError, match="NaN"):
+                codec.pack_logprobs(given, n)
+        with pytest.raises(codec.CodecError, match="NaN"):
+            codec.check_packed(np.zeros(n, np.int32).tobytes(), bad.tobytes())
