@@ -6,9 +6,11 @@
  * encode_row(tokens, logprobs, positions, next_B, tok_RB, lp_RB, row, lens, ids_blob, version, lsn, mark,
  *            kind, crc32c) -> bytes | None
  *
- *   tokens     int32 buffer of n (n = len(next_B)), each >= 0
- *   logprobs   float64 buffer of n, no NaN
- *   positions  int64 buffer of n, equal to next_B (each trajectory's next position)
+ *   tokens     int32 buffer of n (n = len(next_B)), each >= 0; or a list of n ints (exactly int) in 0..2^31-1
+ *   logprobs   float64 buffer of n, no NaN; or a list of n floats (exactly float), no NaN
+ *   positions  int64 buffer of n, equal to next_B (each trajectory's next position); or a list of n ints
+ *              (exactly int) equal to it. Lists are what the rollout's committer hands over (one Python int
+ *              or float per draw); anything else in them (bool, numpy scalars, ...) is the general path's.
  *   next_B     writable int64 buffer of n: incremented by one when the frame is returned
  *   tok_RB     writable int32 rows (capacity x n): row `row` receives the tokens
  *   lp_RB      writable float64 rows (capacity x n): row `row` receives the log-probs
@@ -82,6 +84,55 @@ static int get_rows(PyObject *obj, Py_buffer *view, char kind, Py_ssize_t size, 
     return 1;
 }
 
+/* A list of n exact ints in 0..2^31-1 converted into out; 0 when `obj` is not one (no error set). */
+static int list_tokens(PyObject *obj, Py_ssize_t n, int32_t *out) {
+    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyList_GET_ITEM(obj, i);
+        if (!PyLong_CheckExact(x))
+            return 0;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (overflow || v < 0 || v > INT32_MAX)
+            return 0;
+        out[i] = (int32_t)v;
+    }
+    return 1;
+}
+
+/* A list of n exact floats, none NaN, converted into out; 0 when `obj` is not one (no error set). */
+static int list_logprobs(PyObject *obj, Py_ssize_t n, double *out) {
+    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyList_GET_ITEM(obj, i);
+        if (!PyFloat_CheckExact(x))
+            return 0;
+        double v = PyFloat_AS_DOUBLE(x);
+        if (v != v)
+            return 0;
+        out[i] = v;
+    }
+    return 1;
+}
+
+/* Whether `obj` is a list of n exact ints equal to next[0..n). */
+static int list_is_next(PyObject *obj, Py_ssize_t n, const int64_t *next) {
+    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *x = PyList_GET_ITEM(obj, i);
+        if (!PyLong_CheckExact(x))
+            return 0;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (overflow || v != next[i])
+            return 0;
+    }
+    return 1;
+}
+
 static PyObject *encode_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 14) {
         PyErr_Format(PyExc_TypeError, "encode_row takes 14 arguments, got %zd", nargs);
@@ -127,28 +178,61 @@ static PyObject *encode_row(PyObject *self, PyObject *const *args, Py_ssize_t na
 
     Py_buffer tb, lb, pb, tr, lr;
     int have_t = 0, have_l = 0, have_p = 0, have_tr = 0, have_lr = 0;
+    int32_t *tok_list = NULL; /* the tokens / log-probs converted from lists */
+    double *lp_list = NULL;
+    const int32_t *tok;
+    const double *lp;
+    int64_t *next = (int64_t *)nb.buf;
     PyObject *frame = NULL, *result = Py_None;
     Py_INCREF(Py_None);
-    if (!(have_t = get_vector(args[0], &tb, 0, 'i', 4, n)) || !(have_l = get_vector(args[1], &lb, 0, 'f', 8, n))
-        || !(have_p = get_vector(args[2], &pb, 0, 'i', 8, n)) || !(have_tr = get_rows(args[4], &tr, 'i', 4, n, row))
-        || !(have_lr = get_rows(args[5], &lr, 'f', 8, n, row)))
+    if (!(have_tr = get_rows(args[4], &tr, 'i', 4, n, row)) || !(have_lr = get_rows(args[5], &lr, 'f', 8, n, row)))
         goto done;
 
-    const int32_t *tok = (const int32_t *)tb.buf;
-    const double *lp = (const double *)lb.buf;
-    int64_t *next = (int64_t *)nb.buf;
-    int32_t neg = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        neg |= tok[i];
-    if (neg < 0)
-        goto done; /* a negative token (codec.pack_tokens refuses it) */
-    int nan = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        nan |= lp[i] != lp[i];
-    if (nan)
-        goto done; /* a NaN log-prob (codec.pack_logprobs refuses it) */
-    if (memcmp(pb.buf, next, (size_t)n * 8) != 0)
-        goto done; /* not each trajectory's next position */
+    if (PyList_CheckExact(args[0])) {
+        if ((tok_list = PyMem_Malloc((size_t)n * 4 + 1)) == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        if (!list_tokens(args[0], n, tok_list))
+            goto done;
+        tok = tok_list;
+    } else {
+        if (!(have_t = get_vector(args[0], &tb, 0, 'i', 4, n)))
+            goto done;
+        tok = (const int32_t *)tb.buf;
+        int32_t neg = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            neg |= tok[i];
+        if (neg < 0)
+            goto done; /* a negative token (codec.pack_tokens refuses it) */
+    }
+    if (PyList_CheckExact(args[1])) {
+        if ((lp_list = PyMem_Malloc((size_t)n * 8 + 1)) == NULL) {
+            PyErr_NoMemory();
+            goto fail;
+        }
+        if (!list_logprobs(args[1], n, lp_list))
+            goto done;
+        lp = lp_list;
+    } else {
+        if (!(have_l = get_vector(args[1], &lb, 0, 'f', 8, n)))
+            goto done;
+        lp = (const double *)lb.buf;
+        int nan = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            nan |= lp[i] != lp[i];
+        if (nan)
+            goto done; /* a NaN log-prob (codec.pack_logprobs refuses it) */
+    }
+    if (PyList_CheckExact(args[2])) {
+        if (!list_is_next(args[2], n, next))
+            goto done; /* not each trajectory's next position (or not plain ints) */
+    } else {
+        if (!(have_p = get_vector(args[2], &pb, 0, 'i', 8, n)))
+            goto done;
+        if (memcmp(pb.buf, next, (size_t)n * 8) != 0)
+            goto done; /* not each trajectory's next position */
+    }
 
     Py_ssize_t ids_len = PyBytes_GET_SIZE(ids_o);
     long long body = 9 + 12 + 22ll * n + ids_len;
@@ -170,7 +254,7 @@ static PyObject *encode_row(PyObject *self, PyObject *const *args, Py_ssize_t na
     char *q = b + 21;
     memcpy(q, PyBytes_AS_STRING(lens_o), (size_t)(2 * n));
     q += 2 * n;
-    memcpy(q, pb.buf, (size_t)(8 * n));
+    memcpy(q, next, (size_t)(8 * n)); /* the positions, equal to next_B (checked above) */
     q += 8 * n;
     memcpy(q, tok, (size_t)(4 * n));
     q += 4 * n;
@@ -210,6 +294,8 @@ fail:
     result = NULL;
 done:
     Py_XDECREF(frame);
+    PyMem_Free(tok_list);
+    PyMem_Free(lp_list);
     if (have_t)
         PyBuffer_Release(&tb);
     if (have_l)

@@ -43,6 +43,19 @@ TILE_ROWS = 16  # rows per tile of the transposition; 1024 x 512 float64 in 16-r
 _TILED_MIN_COLUMNS = 64  # narrower groups transpose in one copy
 
 
+def _from_list(values, n: int, kind: type, dtype: np.dtype):
+    """A list of n values of exactly `kind` (what the rollout's committer hands over) as an array of `dtype`,
+    or None when it does not fit; anything but a list is returned as it is."""
+    if type(values) is not list:
+        return values
+    if len(values) != n or not all(type(v) is kind for v in values):
+        return None
+    try:
+        return np.array(values, dtype)
+    except OverflowError:
+        return None
+
+
 class StepGroup:
     __slots__ = ("ids", "trajs", "n", "capacity", "rows", "base_B", "next_B", "tok_RB", "lp_RB",
                  "_tok_flat", "_lp_flat", "_tok_mv", "_lp_mv", "_ones_B", "version_R", "lsn_R", "lens", "ids_blob", "key")
@@ -106,7 +119,8 @@ class StepGroup:
 
     def encode_row(self, positions, tokens, logprobs, version: int, lsn: int, mark: int) -> bytes | None:
         """The STEP frame of a step as a decode loop holds it (int32 tokens, float64 log-probs, int64
-        positions: numpy arrays of the group's width; `version` an int >= 0) that is the group's next row,
+        positions: numpy arrays of the group's width, or lists of exactly int / float / int as the rollout's
+        committer hands them over; `version` an int >= 0) that is the group's next row,
         taken as row `lsn`: the frame, after the row is added. None, with nothing changed, for any other
         step (other types or shapes, a negative token, a NaN, other positions, a full group): the general
         path takes it and raises what it raises. The caller checked the ids (`matches`)."""
@@ -126,6 +140,9 @@ class StepGroup:
     def _encode_row_py(self, positions, tokens, logprobs, version: int, lsn: int, mark: int) -> bytes | None:
         """encode_row without the C module: the same checks, the same bytes, the same row."""
         shape = (self.n,)
+        tokens = _from_list(tokens, self.n, int, _TOKENS)
+        logprobs = _from_list(logprobs, self.n, float, _LOGPROBS)
+        positions = _from_list(positions, self.n, int, _POSITIONS)
         if (type(tokens) is not np.ndarray or type(logprobs) is not np.ndarray or type(positions) is not np.ndarray
                 or tokens.shape != shape or logprobs.shape != shape or positions.shape != shape
                 or tokens.dtype != _TOKENS or logprobs.dtype != _LOGPROBS or positions.dtype != _POSITIONS):

@@ -261,10 +261,10 @@ class Store:
 
     def _step_fast(self, traj_ids, positions, tokens, logprobs, policy_version) -> bool:
         """append_step for a step given as a decode loop holds it (int32 tokens, float64 log-probs and
-        int64 positions as numpy arrays, an int version) that is the step group's next row: checked,
-        encoded and added in one StepGroup.encode_row. True when it is logged. Anything else (other
-        types, a bad value, other ids or positions, a closed log) returns False before changing
-        anything, and the general path takes the step (and raises what it raises)."""
+        int64 positions as numpy arrays, or lists of Python ints and floats; an int version) that is the step
+        group's next row: checked, encoded and added in one StepGroup.encode_row. True when it is logged.
+        Anything else (other types, a bad value, other ids or positions, a closed log) returns False before
+        changing anything, and the general path takes the step (and raises what it raises)."""
         g = self.tokens.group
         if g is None or type(policy_version) is not int or policy_version < 0:
             return False

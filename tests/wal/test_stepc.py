@@ -76,7 +76,19 @@ def _bad_steps(g: StepGroup):
     yield "log-probs float32", pos, tok, lp.astype(np.float32), 0
     yield "positions int32", pos.astype(np.int32), tok, lp, 0
     yield "positions uint64", pos.astype(np.uint64), tok, lp, 0
-    yield "tokens as a list", pos, tok.tolist(), lp, 0
+    yield "tokens as a tuple", pos, tuple(tok.tolist()), lp, 0
+    yield "a bool in a list of tokens", pos, [True] + tok.tolist()[1:], lp, 0
+    yield "a numpy int in a list of tokens", pos, [np.int32(0)] + tok.tolist()[1:], lp, 0
+    yield "a float in a list of tokens", pos, [0.0] + tok.tolist()[1:], lp, 0
+    yield "a token past int32 in a list", pos, tok.tolist()[:-1] + [1 << 31], lp, 0
+    yield "a negative token in a list", pos, neg.tolist(), lp, 0
+    yield "a list of tokens one short", pos, tok.tolist()[:-1], lp, 0
+    yield "an int in a list of log-probs", pos, tok, [0] + lp.tolist()[1:], 0
+    yield "a NaN in a list of log-probs", pos, tok, nan.tolist(), 0
+    yield "a numpy float in a list of log-probs", pos, tok, [np.float64(-1.0)] + lp.tolist()[1:], 0
+    yield "a numpy int in a list of positions", [np.int64(pos[0])] + pos.tolist()[1:], tok, lp, 0
+    yield "not the next position, in a list", later.tolist(), tok, lp, 0
+    yield "a position past int64 in a list", pos.tolist()[:-1] + [1 << 63], tok, lp, 0
     yield "tokens as bytes", pos, tok.tobytes(), lp, 0
     yield "one token short", pos, tok[:-1], lp, 0
     yield "one log-prob more", pos, tok, np.append(lp, -1.0), 0
@@ -176,6 +188,26 @@ def test_append_columns_refuses_and_changes_nothing():
     assert outs == [bytearray(b"x")] * 3
 
 
+@pytest.mark.parametrize("impl", ["c", "python"])
+@pytest.mark.parametrize("n", [1, 64, 512])
+def test_a_step_as_lists_is_the_step_as_arrays(monkeypatch, impl, n):
+    """The rollout's committer hands a step over as lists of Python ints and floats: the fast path takes it
+    and writes what it writes for the same step as numpy arrays."""
+    if impl == "python":
+        monkeypatch.setattr(stepgroup, "_stepc", None)
+    elif _stepc is None:
+        pytest.skip("wal._stepc not built (test_the_c_step_is_built fails)")
+    rng = np.random.default_rng(n)
+    arrays, lists = _group(n, 40), _group(n, 40)
+    for r in range(3):
+        tok = rng.integers(0, 1 << 31, n, dtype=np.int64).astype(np.int32)
+        lp = np.where(rng.random(n) < 0.1, -np.inf, -rng.random(n) * 10.0 ** rng.integers(-300, 300, n))
+        fa = arrays.encode_row(arrays.next_B.copy(), tok, lp, r, r + 1, 0)
+        fl = lists.encode_row(lists.next_B.tolist(), tok.tolist(), lp.tolist(), r, r + 1, 0)
+        assert fa is not None and fl == fa
+        assert _state(lists) == _state(arrays)
+
+
 @pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
 def test_random_steps_give_the_python_answer_or_none():
     """Seeded random steps of every dtype, length, layout and value the arrays can take: the C step returns
@@ -197,6 +229,8 @@ def test_random_steps_give_the_python_answer_or_none():
                     wide = np.zeros((len(a), 2), a.dtype)
                     wide[:, 0] = a
                     a = wide[:, 0]
+                elif rng.random() < 0.2:  # the same values as a list (Python ints, floats or bools)
+                    return a.tolist()
                 return a
 
             def spoil(a, bad, p=0.05):  # one element made bad in a few steps
@@ -215,7 +249,7 @@ def test_random_steps_give_the_python_answer_or_none():
                 fp = py.encode_row(pos, tok, lp, version, r + 1, 0)
             finally:
                 stepgroup._stepc = saved
-            strided = not (tok.flags.c_contiguous and lp.flags.c_contiguous and pos.flags.c_contiguous)
+            strided = not all(a.flags.c_contiguous for a in (tok, lp, pos) if isinstance(a, np.ndarray))
             if fc is None and fp is not None:
                 assert strided, f"trial {trial}: C refused a step the Python step took"
                 py = _group(n, 0)  # the groups part ways here (the general path would take the step)
