@@ -84,52 +84,54 @@ static int get_rows(PyObject *obj, Py_buffer *view, char kind, Py_ssize_t size, 
     return 1;
 }
 
-/* A list of n exact ints in 0..2^31-1 converted into out; 0 when `obj` is not one (no error set). */
+/* Whether `obj` is a list of exactly n items. */
+static int list_of(PyObject *obj, Py_ssize_t n) {
+    return PyList_CheckExact(obj) && PyList_GET_SIZE(obj) == n;
+}
+
+/* The value of an exact int that fits 64 bits into *v; 0 when `x` is not one (no error set). */
+static int exact_int(PyObject *x, long long *v) {
+    int overflow;
+    if (!PyLong_CheckExact(x))
+        return 0;
+    *v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    return !overflow;
+}
+
+/* A list of n exact ints in 0..2^31-1 converted into out; 0 when `obj` is not one. */
 static int list_tokens(PyObject *obj, Py_ssize_t n, int32_t *out) {
-    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != n)
+    long long v;
+    if (!list_of(obj, n))
         return 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = PyList_GET_ITEM(obj, i);
-        if (!PyLong_CheckExact(x))
-            return 0;
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-        if (overflow || v < 0 || v > INT32_MAX)
+        if (!exact_int(PyList_GET_ITEM(obj, i), &v) || v < 0 || v > INT32_MAX)
             return 0;
         out[i] = (int32_t)v;
     }
     return 1;
 }
 
-/* A list of n exact floats, none NaN, converted into out; 0 when `obj` is not one (no error set). */
+/* A list of n exact floats, none NaN, converted into out; 0 when `obj` is not one. */
 static int list_logprobs(PyObject *obj, Py_ssize_t n, double *out) {
-    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != n)
+    if (!list_of(obj, n))
         return 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *x = PyList_GET_ITEM(obj, i);
-        if (!PyFloat_CheckExact(x))
+        if (!PyFloat_CheckExact(x) || PyFloat_AS_DOUBLE(x) != PyFloat_AS_DOUBLE(x))
             return 0;
-        double v = PyFloat_AS_DOUBLE(x);
-        if (v != v)
-            return 0;
-        out[i] = v;
+        out[i] = PyFloat_AS_DOUBLE(x);
     }
     return 1;
 }
 
 /* Whether `obj` is a list of n exact ints equal to next[0..n). */
 static int list_is_next(PyObject *obj, Py_ssize_t n, const int64_t *next) {
-    if (!PyList_CheckExact(obj) || PyList_GET_SIZE(obj) != n)
+    long long v;
+    if (!list_of(obj, n))
         return 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *x = PyList_GET_ITEM(obj, i);
-        if (!PyLong_CheckExact(x))
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!exact_int(PyList_GET_ITEM(obj, i), &v) || v != next[i])
             return 0;
-        int overflow;
-        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
-        if (overflow || v != next[i])
-            return 0;
-    }
     return 1;
 }
 
