@@ -324,8 +324,22 @@ def _fused_kernels(hidden_NH: torch.Tensor, compute_dtype: torch.dtype):
     if not _FUSED_ENABLED.get(hidden_NH.device.type) or compute_dtype not in (torch.bfloat16, torch.float16):
         return None
     if _FUSED is None:
-        _FUSED = (torch.compile(_chunk_forward, dynamic=None), torch.compile(_chunk_backward, dynamic=None))
+        _FUSED = (_rows_dynamic(torch.compile(_chunk_forward, dynamic=None)),
+                  _rows_dynamic(torch.compile(_chunk_backward, dynamic=None)))
     return _FUSED
+
+
+def _rows_dynamic(compiled):
+    """`compiled` with every tensor argument's rows (dim 0) dynamic from the first call: a pack's last chunk
+    is shorter than the others, and a static first graph was compiled again at the second row count
+    (seconds of a run's first iteration). The vocabulary width stays static. (`torch.compile` has imported
+    torch._dynamo.)"""
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor) and a.dim():
+                torch._dynamo.maybe_mark_dynamic(a, 0)
+        return compiled(*args)
+    return call
 
 
 def logprobs_from_hidden(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, labels_N: torch.Tensor,

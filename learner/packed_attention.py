@@ -77,12 +77,19 @@ def _varlen_call():
     return call
 
 
-_VARLEN = None
+_VARLEN = None  # _varlen_call(), set by use_packed_attention before any layer runs
+
+
+def _ensure_varlen() -> None:
+    """Resolve the varlen kernel outside the layers: set lazily inside them, the global flipped from None
+    after the compiled layers' first trace, and a guard on it recompiled them all (seen on an H100)."""
+    global _VARLEN
+    if _VARLEN is None:
+        _VARLEN = _varlen_call()
 
 
 def packed_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """An HF attention function (query [1, Hq, N, D], key/value [1, Hkv, N, D]) -> ([1, N, Hq, D], None)."""
-    global _VARLEN
     cu_S1 = kwargs.get("cu_seq_lens_q")
     if cu_S1 is None or query.shape[0] != 1:
         raise ValueError("packed attention needs one packed row and cu_seq_lens_q (use learner.packed_attention)")
@@ -96,8 +103,6 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
         dev = query.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
         if dtype in HALF:
-            if _VARLEN is None:
-                _VARLEN = _varlen_call()
             q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [N, H, D]
             out_NHD = _VARLEN(q, k, v, cu_S1, kwargs["max_length_q"], scaling)
             return out_NHD[None], None
@@ -130,6 +135,8 @@ def use_packed_attention(model, backend: str, cu_seqlens_S1: torch.Tensor, max_s
     _register()
     if max_seqlen is None:
         max_seqlen = int(cu_seqlens_S1.diff().max())
+    if backend == "varlen":
+        _ensure_varlen()
     kw = {"postrain_backend": backend, "max_length_q": max_seqlen,
           "cu_seq_lens_q": cu_seqlens_S1.to(torch.int32)}
     if backend == "sdpa_docs":

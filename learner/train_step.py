@@ -283,12 +283,15 @@ def cu_seqlens_from_positions(position_ids_N: torch.Tensor) -> torch.Tensor:
 
 def compile_layers(model) -> None:
     """Regional compilation: each decoder layer through torch.compile (fused norms, RoPE, SwiGLU and
-    residuals), one compiled graph shared by all layers; the LM head and loss stay eager."""
+    residuals), one compiled graph shared by all layers; the LM head and loss stay eager. Dynamic from
+    the first call: a packed micro-batch's length changes every call, and `dynamic=None` compiled a
+    static graph first and recompiled at the second length (seconds of a run's first iteration); the
+    widths meet the parameters' static shapes and stay specialised."""
     import torch._dynamo
 
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in model.base_model.layers:
-        layer.compile(dynamic=None)
+        layer.compile(dynamic=True)
 
 
 class Collectives:
