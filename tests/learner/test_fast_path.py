@@ -110,3 +110,38 @@ def test_checkpointed_blocks_attend_with_the_models_own_function():
     assert Learner(copy.deepcopy(model), config()).attention == "sdpa_docs"
     with pytest.raises(ValueError, match="activation_checkpointing"):
         Learner(copy.deepcopy(model), cfg, attention="sdpa_docs")
+
+
+def test_the_varlen_kernel_is_resolved_before_any_layer_runs(monkeypatch):
+    """Resolved inside the compiled layers, the kernel's global flipped from None after their first trace
+    and a guard on it recompiled them; use_packed_attention resolves it first."""
+    import learner.packed_attention as pa
+
+    kernel = object()
+    monkeypatch.setattr(pa, "_VARLEN", None)
+    monkeypatch.setattr(pa, "_varlen_call", lambda: kernel)
+    model, _ = tiny_model()
+    with pa.use_packed_attention(model, "sdpa_docs", torch.tensor([0, 3, 5])):
+        assert pa._VARLEN is None  # only the varlen backend needs it
+    with pa.use_packed_attention(model, "varlen", torch.tensor([0, 3, 5])) as kw:
+        assert pa._VARLEN is kernel and kw["max_length_q"] == 3
+
+
+def test_the_fused_chunk_kernels_compile_once_per_entropy_setting(monkeypatch):
+    """Chunks of 10 and of fewer rows (a pack's last chunk), with and without entropy: one forward and one
+    backward graph per setting. Without the rows marked dynamic, each shorter chunk compiled again."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    monkeypatch.setitem(gl._FUSED_ENABLED, "cpu", True)
+    monkeypatch.setattr(gl, "_FUSED", None)
+    counters.clear()
+    torch.manual_seed(0)
+    for n, with_entropy in ((37, False), (45, False), (23, False), (37, True), (52, True)):
+        h = torch.randn(n, 16, dtype=torch.bfloat16, requires_grad=True)
+        w = (0.3 * torch.randn(61, 16)).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, ent = gl.logprobs_from_hidden(h, w, torch.randint(0, 61, (n,)), chunk_rows=10, with_entropy=with_entropy)
+        (lp.sum() + (ent.sum() if with_entropy else 0)).backward()
+    assert counters["stats"]["unique_graphs"] == 4
+    torch._dynamo.reset()
