@@ -127,6 +127,24 @@ def test_the_varlen_kernel_is_resolved_before_any_layer_runs(monkeypatch):
         assert pa._VARLEN is kernel and kw["max_length_q"] == 3
 
 
+def test_a_direct_varlen_call_resolves_the_kernel_itself(monkeypatch):
+    import learner.packed_attention as pa
+
+    calls = []
+
+    def fake_kernel(q, k, v, cu, max_len, scale):
+        calls.append((tuple(q.shape), max_len))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(pa, "_VARLEN", None)
+    monkeypatch.setattr(pa, "_varlen_call", lambda: fake_kernel)
+    q = torch.zeros(1, 4, 5, 8, dtype=torch.bfloat16)
+    kv = torch.zeros(1, 2, 5, 8, dtype=torch.bfloat16)
+    out, _ = pa.packed_attention_forward(None, q, kv, kv, None, 0.5, postrain_backend="varlen",
+                                         cu_seq_lens_q=torch.tensor([0, 3, 5], dtype=torch.int32), max_length_q=3)
+    assert out.shape == (1, 5, 4, 8) and calls == [((5, 4, 8), 3)] and pa._VARLEN is fake_kernel
+
+
 def test_the_fused_chunk_kernels_compile_once_per_entropy_setting(monkeypatch):
     """Chunks of 10 and of fewer rows (a pack's last chunk), with and without entropy: one forward and one
     backward graph per setting. Without the rows marked dynamic, each shorter chunk compiled again."""
