@@ -103,8 +103,7 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
         dev = query.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else value.dtype
         if dtype in HALF:
-            if _VARLEN is None:  # a direct call: use_packed_attention resolves it before any compiled layer runs
-                _ensure_varlen()
+            _ensure_varlen()  # a direct call; use_packed_attention resolved it before any compiled layer ran
             q, k, v = (t[0].transpose(0, 1).to(dtype) for t in (query, key, value))  # [N, H, D]
             out_NHD = _VARLEN(q, k, v, cu_S1, kwargs["max_length_q"], scaling)
             return out_NHD[None], None

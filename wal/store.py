@@ -26,8 +26,6 @@ from wal.log import Log
 from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, Starts, StepRecord, TokensRecord
 
 
-
-
 class Store:
     def __init__(self, path: str | Path, config: WALConfig | None = None, *, repair: bool = False):
         self.config = config or WALConfig()
