@@ -56,7 +56,7 @@ def run_stages(cfg, domain: str, init: str | Path, out: str | Path, iterations: 
         name="w0", checkpoint=str(loop.init), wal_path=str(out / "rollout" / "wal"),
         snapshot_uri=str(out / "rollout" / "kv"), seed=p.seed, engine=cfg.engine, threads=p.threads_per_worker,
         max_commit_lag=p.max_commit_lag, commit_group_steps=p.commit_group_steps,
-        wal_segment_bytes=p.wal_segment_bytes))
+        wal_segment_bytes=p.wal_segment_bytes, split_restore=p.split_restore))
     rows = []
     try:
         for k in range(iterations):

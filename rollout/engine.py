@@ -19,6 +19,7 @@ import hashlib
 import inspect
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
 import google_crc32c
 import torch
@@ -151,36 +152,60 @@ class Engine:
 
     @torch.inference_mode()
     def add(self, req_id: str, tokens: list[int], sampled: list[bool], params: SamplingParams,
-            kv: dict[str, torch.Tensor] | None = None) -> int:
+            kv: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor] | None] | None = None,
+            kv_start: int = 0) -> int:
         """Admit a request: a fresh prompt, or a resumed trajectory (all committed tokens, and optionally the
-        KV of a snapshot). Returns the number of tokens prefilled. A KV that does not fit raises ValueError
-        before anything changes, so the caller can fall back to re-prefill."""
+        KV of a snapshot for the tokens from `kv_start` on). Returns the number of tokens prefilled.
+
+        With `kv_start` > 0 the first `kv_start` tokens are prefilled first. `kv` may be a callable, called
+        once that prefill is under way (so a snapshot read in another thread overlaps it); it returns the KV
+        or None (no KV after all: the rest is re-prefilled too). A KV that does not fit raises ValueError
+        with nothing changed (a callable's: the request is taken out again), so the caller can fall back
+        to re-prefill."""
         if req_id in self.seqs:
             raise ValueError(f"request {req_id!r} already in the engine")
         if not tokens or len(tokens) != len(sampled):
             raise ValueError(f"request {req_id!r}: {len(tokens)} tokens, {len(sampled)} mask entries")
         if len(tokens) >= self.max_len:
             raise ValueError(f"request {req_id!r}: {len(tokens)} tokens do not fit max_len {self.max_len}")
+        if kv_start and (kv is None or kv_start < 0 or kv_start >= len(tokens)):
+            raise ValueError(f"request {req_id!r}: kv_start {kv_start} without a KV or past the tokens")
         if not self._free:
             raise RuntimeError("engine full: check capacity before add")
         slot = min(self._free)
-        covered = 0
-        if kv is not None:
-            kv_len = next(iter(kv.values())).shape[1] if kv else 0
-            if not (kv_len == 0 or (kv_len < len(tokens) and sampled[kv_len])):
-                raise ValueError(f"kv covers {kv_len} tokens: not a decode point of this trajectory")
-            covered = self.kv.load(slot, kv)
+        deferred = callable(kv)
+        if kv is not None and not deferred:
+            self._check_point(kv_start + self.kv.check(kv, kv_start), tokens, sampled)
         self._free.remove(slot)
-        seq = Seq(req_id, traj_key(req_id), list(tokens), list(sampled), params, slot, kv_len=covered)
+        seq = Seq(req_id, traj_key(req_id), list(tokens), list(sampled), params, slot)
         seq.n_sampled = sum(sampled)
         seq.turn_start = max((i for i, s in enumerate(sampled) if not s), default=-1) + 1
         self.seqs[req_id] = seq
-        before = seq.kv_len
         if seq.n_sampled and sampled[-1]:
             self._check_stop(seq)
-        if seq.state != "done":  # a complete trajectory needs no KV: it is only finished
-            self._replay(seq)
-        return seq.kv_len - before
+        if seq.state == "done":  # a complete trajectory needs no KV: it is only finished
+            return 0
+        loaded = 0
+        if kv is not None:
+            self._feed_block(seq, seq.tokens[:kv_start])
+            tensors = kv() if deferred else kv
+            if tensors is not None:
+                try:
+                    if deferred:
+                        self._check_point(kv_start + self.kv.check(tensors, kv_start), tokens, sampled)
+                    loaded = self.kv.load(slot, tensors, kv_start)
+                except ValueError:
+                    self.remove(req_id)
+                    raise
+                seq.kv_len = kv_start + loaded
+        self._replay(seq)
+        return seq.kv_len - loaded
+
+    @staticmethod
+    def _check_point(kv_len: int, tokens: list[int], sampled: list[bool]) -> None:
+        """A KV may cover the committed tokens up to a decode point only (the next token was sampled)."""
+        if not (kv_len == 0 or (kv_len < len(tokens) and sampled[kv_len])):
+            raise ValueError(f"kv covers {kv_len} tokens: not a decode point of this trajectory")
 
     def _replay(self, seq: Seq) -> None:
         """Rebuild the KV of committed tokens up to the last decode point (pending tokens stay pending)."""

@@ -57,8 +57,8 @@ class SlotKV:
             out[f"v.{i}"] = v[slot, :, :length].contiguous().cpu()
         return out
 
-    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> int:
-        """Copy exported tensors into `slot`; returns the length they cover. Raises ValueError on a shape mismatch."""
+    def check(self, tensors: dict[str, torch.Tensor], start: int = 0) -> int:
+        """The token count exported tensors cover, placed at `start`; ValueError when they do not fit."""
         length = None
         for i, (k, v) in enumerate(zip(self.k, self.v)):
             for name, dst in ((f"k.{i}", k), (f"v.{i}", v)):
@@ -69,11 +69,18 @@ class SlotKV:
                     raise ValueError(f"kv tensor {name} has dtype {src.dtype}, cache holds {dst.dtype}")
                 if length is None:
                     length = src.shape[1]
-                if src.shape[1] != length or length > self.max_len:
-                    raise ValueError(f"kv tensor {name} covers {src.shape[1]} tokens, expected {length}")
+                if src.shape[1] != length or start + length > self.max_len:
+                    raise ValueError(f"kv tensor {name} covers {src.shape[1]} tokens from {start}, expected {length} "
+                                     f"within {self.max_len}")
         if len(tensors) != 2 * len(self.k):
             raise ValueError(f"kv snapshot holds {len(tensors)} tensors, model has {2 * len(self.k)}")
-        for i, (k, v) in enumerate(zip(self.k, self.v)):
-            k[slot, :, :length] = tensors[f"k.{i}"].to(k.device)
-            v[slot, :, :length] = tensors[f"v.{i}"].to(v.device)
         return int(length or 0)
+
+    def load(self, slot: int, tensors: dict[str, torch.Tensor], start: int = 0) -> int:
+        """Copy exported tensors into `slot` from position `start` on; returns the length they cover. Raises
+        ValueError on a shape mismatch, before anything is copied."""
+        length = self.check(tensors, start)
+        for i, (k, v) in enumerate(zip(self.k, self.v)):
+            k[slot, :, start:start + length] = tensors[f"k.{i}"].to(k.device)
+            v[slot, :, start:start + length] = tensors[f"v.{i}"].to(v.device)
+        return length

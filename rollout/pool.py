@@ -92,7 +92,7 @@ class RolloutPool:
                                 sandbox_target=sandboxes[k % len(sandboxes)] if use_tools and sandboxes else "",
                                 sandbox_token=token, max_tool_calls=max_tool_calls,
                                 max_commit_lag=pool.max_commit_lag, commit_group_steps=pool.commit_group_steps,
-                                wal_segment_bytes=pool.wal_segment_bytes))
+                                wal_segment_bytes=pool.wal_segment_bytes, split_restore=pool.split_restore))
             for k in range(pool.workers)
         ]
         # Warm spares: actor processes with their imports done, waiting to take over a dead worker's slot

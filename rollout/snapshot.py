@@ -1,11 +1,15 @@
 """KV snapshots: a request's KV cache as safetensors with a validating header, in a snapshot store.
 
 Header (safetensors `__metadata__`): trajectory id, token count, hash of the covered token ids,
-policy version, model fingerprint, dtype, crc32c of the tensor bytes, and crc32c of the tensor index
-(names, dtypes, shapes, offsets: a bit flipped there names or shapes a tensor wrongly while every other
-field still checks out). A snapshot is trusted only
-when every field matches the WAL and the current weights; anything else is a `SnapshotRejected`
-whose reason the caller counts before falling back to re-prefill from the WAL.
+policy version, model fingerprint, dtype, the crc32c of every piece of the tensor bytes, and crc32c of
+the tensor index (names, dtypes, shapes, offsets: a bit flipped there names or shapes a tensor wrongly
+while every other field still checks out). A snapshot is trusted only when every field matches the WAL
+and the current weights; anything else is a `SnapshotRejected` whose reason the caller counts before
+falling back to re-prefill from the WAL.
+
+Tensors are [kv_heads, tokens, head_dim]. A piece is one head's rows of one block of `block_tokens`
+tokens, so the KV of the tokens from any block boundary on can be read and verified without the rest:
+a resume re-prefills the head of a trajectory while the tail of its snapshot is read (`restore.py`).
 
 The store is a local directory (atomic write through `core.fileio`: temp, fsync, rename, fsync dir)
 or any `pyarrow.fs` URI through `dataplane.remote` (temp object then move; object stores have no fsync).
@@ -28,9 +32,10 @@ from safetensors.torch import save as st_save
 from core import fileio
 from core.atomic import write_atomic
 
-FORMAT = "postrain-kv-3"  # 3: the tensor index is checksummed
-CHUNK_BYTES = 8 << 20  # the payload is checksummed per chunk, so a restore verifies chunks in parallel
+FORMAT = "postrain-kv-4"  # 3: the tensor index is checksummed; 4: one checksum per head and token block
+BLOCK_TOKENS = 1024  # tokens per checksummed piece: the granularity of a partial read
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 class SnapshotRejected(Exception):
@@ -49,8 +54,8 @@ class SnapshotHeader:
     policy_version: int
     fingerprint: str
     dtype: str
-    chunk_bytes: int
-    checksums: tuple[int, ...]  # crc32c of each CHUNK_BYTES piece of the tensor payload
+    block_tokens: int
+    checksums: tuple[int, ...]  # crc32c of each piece (`pieces`), in that order
     tensors: dict  # name -> (dtype code, shape, [begin, end) in the payload)
     payload_offset: int  # where the tensor payload starts in the file
 
@@ -71,9 +76,29 @@ def _index(head: bytes) -> dict:
     return {k: (v["dtype"], tuple(v["shape"]), tuple(v["data_offsets"])) for k, v in doc.items()}
 
 
-def _chunk_crcs(payload: bytes, chunk: int) -> list[int]:
+def _ordered(tensors: dict) -> list[tuple[str, tuple]]:
+    """The tensors in payload order (by begin offset)."""
+    return sorted(tensors.items(), key=lambda item: item[1][2][0])
+
+
+def pieces(tensors: dict, block_tokens: int, start: int = 0) -> list[tuple[int, int, int]]:
+    """(checksum index, begin, end) in the payload of every piece holding tokens from `start` on: for each
+    tensor [H, T, D] in payload order, each head, each block of `block_tokens` tokens."""
+    out, k = [], 0
+    for _, (code, (H, T, D), (a, _)) in _ordered(tensors):
+        row, blocks = D * _ITEMSIZE[code], -(-T // block_tokens)
+        for h in range(H):
+            base = a + h * T * row
+            for j in range(blocks):
+                if (j + 1) * block_tokens > start:
+                    out.append((k + j, base + j * block_tokens * row, base + min(T, (j + 1) * block_tokens) * row))
+            k += blocks
+    return out
+
+
+def _piece_crcs(payload, tensors: dict, block_tokens: int) -> list[int]:
     view = memoryview(payload)
-    return [crc32c.crc32c(view[i:i + chunk]) for i in range(0, len(payload), chunk)]
+    return [crc32c.crc32c(view[a:b]) for _, a, b in pieces(tensors, block_tokens)]
 
 
 def encode(traj_id: str, tokens: list[int], tensors: dict[str, torch.Tensor], policy_version: int,
@@ -84,13 +109,17 @@ def encode(traj_id: str, tokens: list[int], tensors: dict[str, torch.Tensor], po
         raise ValueError(f"kv tensors of mixed dtypes {dtypes}")
     meta = {"format": FORMAT, "traj_id": str(traj_id), "token_count": str(len(tokens)),
             "tokens_hash": tokens_hash(tokens), "policy_version": str(policy_version),
-            "fingerprint": fingerprint, "dtype": dtypes.pop() if dtypes else "", "chunk_bytes": str(CHUNK_BYTES)}
+            "fingerprint": fingerprint, "dtype": dtypes.pop() if dtypes else "", "block_tokens": str(BLOCK_TOKENS)}
+    for name, t in tensors.items():
+        if t.dim() != 3 or t.shape[1] != len(tokens):
+            raise ValueError(f"kv tensor {name} of shape {tuple(t.shape)}: expected [heads, {len(tokens)}, head_dim]")
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     first = st_save(tensors, metadata={**meta, "checksum": "", "index_crc": ""})
     (n,) = struct.unpack("<Q", first[:8])
-    crcs = _chunk_crcs(first[8 + n:], CHUNK_BYTES)  # neither the payload nor its offsets depend on the metadata
+    index = _index(first[8:8 + n])  # neither the payload nor its offsets depend on the metadata
+    crcs = _piece_crcs(first[8 + n:], index, BLOCK_TOKENS)
     data = st_save(tensors, metadata={**meta, "checksum": ",".join(f"{c:08x}" for c in crcs),
-                                      "index_crc": _index_crc(_index(first[8:8 + n]))})
+                                      "index_crc": _index_crc(index)})
     (n2,) = struct.unpack("<Q", data[:8])
     if len(data) - 8 - n2 != len(first) - 8 - n:
         raise AssertionError("snapshot payload changed between the two encodings")
@@ -109,7 +138,7 @@ def _parse_header(head: bytes, n: int) -> SnapshotHeader:
             raise ValueError("tensor index checksum mismatch")
         return SnapshotHeader(meta["traj_id"], int(meta["token_count"]), meta["tokens_hash"],
                               int(meta["policy_version"]), meta["fingerprint"], meta["dtype"],
-                              int(meta["chunk_bytes"]), crcs, tensors, 8 + n)
+                              int(meta["block_tokens"]), crcs, tensors, 8 + n)
     except Exception as exc:  # any malformed header is the same operating condition: unusable snapshot
         raise SnapshotRejected("corrupt", f"unreadable header ({type(exc).__name__}: {exc})") from None
 
@@ -137,16 +166,22 @@ def validate(h: SnapshotHeader, traj_id: str, wal_tokens: list[int], policy_vers
     if h.dtype != str(dtype):
         raise SnapshotRejected("mismatch", f"snapshot dtype {h.dtype}, engine {dtype}")
     end = max((t[2][1] for t in h.tensors.values()), default=0)
-    chunks = -(-payload_bytes // h.chunk_bytes) if h.chunk_bytes > 0 else -1
-    if end != payload_bytes or chunks != len(h.checksums):
-        raise SnapshotRejected("corrupt", f"payload of {payload_bytes} bytes, header expects {end} in {len(h.checksums)} chunks")
-    for name, (code, _, _) in h.tensors.items():
+    if end != payload_bytes or h.block_tokens < 1:
+        raise SnapshotRejected("corrupt", f"payload of {payload_bytes} bytes, header expects {end} "
+                                          f"(blocks of {h.block_tokens} tokens)")
+    for name, (code, shape, (a, b)) in h.tensors.items():
         if code not in _DTYPES:
             raise SnapshotRejected("corrupt", f"tensor {name} of unknown dtype {code}")
+        if len(shape) != 3 or shape[1] != h.token_count or b - a != shape[0] * shape[1] * shape[2] * _ITEMSIZE[code]:
+            raise SnapshotRejected("corrupt", f"tensor {name} of shape {shape} at [{a}, {b}) does not hold "
+                                              f"{h.token_count} tokens")
+    expected = sum(shape[0] * -(-shape[1] // h.block_tokens) for _, shape, _ in h.tensors.values())
+    if expected != len(h.checksums):
+        raise SnapshotRejected("corrupt", f"{len(h.checksums)} checksums for {expected} pieces")
 
 
-def _views(buf: torch.Tensor, h: SnapshotHeader) -> dict[str, torch.Tensor]:
-    return {name: buf[a:b].view(_DTYPES[code]).view(shape) for name, (code, shape, (a, b)) in h.tensors.items()}
+def _views(buf: torch.Tensor, tensors: dict) -> dict[str, torch.Tensor]:
+    return {name: buf[a:b].view(_DTYPES[code]).view(shape) for name, (code, shape, (a, b)) in tensors.items()}
 
 
 def decode(data: bytes | None, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
@@ -157,26 +192,24 @@ def decode(data: bytes | None, traj_id: str, wal_tokens: list[int], policy_versi
     h = read_header(data)
     payload = data[h.payload_offset:]
     validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, len(payload))
-    if _chunk_crcs(payload, h.chunk_bytes) != list(h.checksums):
+    if _piece_crcs(payload, h.tensors, h.block_tokens) != list(h.checksums):
         raise SnapshotRejected("corrupt", "checksum mismatch")
     buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
-    return h, _views(buf, h)
+    return h, _views(buf, h.tensors)
 
 
 _staging: dict[str, torch.Tensor] = {}
-_staging_busy: dict[str, object] = {}  # the CUDA event of the upload still reading the buffer
+_staging_lock = threading.Lock()  # one read fills the pinned staging buffer at a time
+_upload_streams: dict[torch.device, "torch.cuda.Stream"] = {}
 
 
-def _staging_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A reused host buffer (page-locked when the KV goes to a GPU, so the upload is one fast DMA)."""
-    key = "pinned" if pinned else "plain"
-    busy = _staging_busy.pop(key, None)
-    if busy is not None:  # the previous asynchronous upload must finish before the buffer is overwritten
-        busy.synchronize()
-    buf = _staging.get(key)
+def _staging_buffer(nbytes: int) -> torch.Tensor:
+    """The reused page-locked host buffer a read to a GPU lands in (the upload is then one fast DMA);
+    the caller holds `_staging_lock`."""
+    buf = _staging.get("pinned")
     if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
-        _staging[key] = buf
+        buf = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        _staging["pinned"] = buf
     return buf[:nbytes]
 
 
@@ -195,35 +228,61 @@ def pread_into(fd: int, view: memoryview, offset: int) -> bool:
     return True
 
 
-def _read_checked(fd: int, dst, h: SnapshotHeader, payload: int, threads: int) -> bool:
-    """Read the payload into `dst` in pieces of at most READ_BYTES (none crossing a checksum chunk), up to
-    `threads` at a time; the thread that lands a chunk's last piece checksums the chunk. False on a short
-    read or a checksum mismatch."""
-    pieces, left = [], []  # (chunk, start, length); pieces of each chunk still to land
-    for i in range(len(h.checksums)):
-        a, b = i * h.chunk_bytes, min((i + 1) * h.chunk_bytes, payload)
-        pieces += [(i, x, min(READ_BYTES, b - x)) for x in range(a, b, READ_BYTES)]
-        left.append(-(-(b - a) // READ_BYTES))
-    lock = threading.Lock()
+def _tail_layout(h: SnapshotHeader, start: int) -> tuple[dict, int]:
+    """Where each tensor's rows from token `start` on go in a read buffer: name -> (code, shape, [a, b))
+    with the tensors in payload order, and the buffer's size."""
+    out, at = {}, 0
+    for name, (code, (H, T, D), _) in _ordered(h.tensors):
+        n = H * (T - start) * D * _ITEMSIZE[code]
+        out[name] = (code, (H, T - start, D), (at, at + n))
+        at += n
+    return out, at
 
-    def chunk_ok(i: int) -> bool:
-        # crc32c checksums a writable buffer in place, without the GIL (google_crc32c takes only bytes)
-        a = i * h.chunk_bytes
-        return crc32c.crc32c(memoryview(dst[a:min(a + h.chunk_bytes, payload)]).cast("B")) == h.checksums[i]
 
-    def one(piece: tuple[int, int, int]) -> bool:
-        i, a, want = piece
-        # straight into the staging buffer: one copy out of the page cache, no fresh pages
-        if not pread_into(fd, memoryview(dst[a:a + want]).cast("B"), h.payload_offset + a):
+def _read_requests(h: SnapshotHeader, start: int, layout: dict) -> list[tuple[int, int, int, list]]:
+    """(file offset, buffer offset, length, [(checksum index, begin, end) in the buffer]) of each read
+    request: runs of whole pieces of one head, at most READ_BYTES (or one piece) each."""
+    got = {}  # (tensor, head) -> its pieces from `start` on, in order
+    by_range = {(a, b): k for k, a, b in pieces(h.tensors, h.block_tokens, start)}
+    reqs = []
+    for name, (code, (H, T, D), (a, _)) in _ordered(h.tensors):
+        row, (_, _, (ta, _)) = D * _ITEMSIZE[code], layout[name]
+        per = max(1, READ_BYTES // (h.block_tokens * row))  # pieces per request
+        for hh in range(H):
+            first = a + (hh * T + start) * row  # payload offset of the head's first token read
+            dst = ta + hh * (T - start) * row
+            blocks = [(by_range[(x, y)], x, y) for x, y in
+                      ((a + (hh * T + t) * row, a + (hh * T + min(T, t + h.block_tokens)) * row)
+                       for t in range(start, T, h.block_tokens))]
+            got[(name, hh)] = blocks
+            for r in range(0, len(blocks), per):
+                run = blocks[r:r + per]
+                lo, hi = run[0][1], run[-1][2]
+                reqs.append((h.payload_offset + lo, dst + lo - first, hi - lo,
+                             [(k, dst + x - first, dst + y - first) for k, x, y in run]))
+    return reqs
+
+
+def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int, landed=None) -> bool:
+    """Run the read requests into `dst`, up to `threads` at a time, each checksumming its pieces as it
+    lands and then handing its range to `landed(begin, end)` (the upload). False on a short read or a
+    checksum mismatch."""
+
+    def one(req) -> bool:
+        off, at, n, checks = req
+        # straight into the destination buffer: one copy out of the page cache, no fresh pages
+        if not pread_into(fd, memoryview(dst[at:at + n]).cast("B"), off):
             return False
-        with lock:
-            left[i] -= 1
-            last = left[i] == 0
-        return chunk_ok(i) if last else True
+        # crc32c checksums a writable buffer in place, without the GIL (google_crc32c takes only bytes)
+        if not all(crc32c.crc32c(memoryview(dst[a:b]).cast("B")) == h.checksums[k] for k, a, b in checks):
+            return False
+        if landed is not None:
+            landed(at, at + n)
+        return True
 
-    if threads <= 1 or len(pieces) <= 1:  # one piece (a small KV): a hand-off would cost more than the read
-        return all(map(one, pieces))
-    return all(list(reader_pool(threads).map(one, pieces)))  # list: every read has landed before we return
+    if threads <= 1 or len(reqs) <= 1:  # one request (a small KV): a hand-off would cost more than the read
+        return all(map(one, reqs))
+    return all(list(reader_pool(threads).map(one, reqs)))  # list: every read has landed before we return
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -238,12 +297,93 @@ def reader_pool(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
-              dtype: torch.dtype, device: torch.device | str = "cpu", threads: int = 32
-              ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
-    """Fast restore from a local file: header validated before the payload is read; the payload is read
-    in parallel straight into a (pinned) staging buffer, each chunk checksummed as its last piece lands,
-    then uploaded once."""
+class _Upload:
+    """Copies ranges of the pinned staging buffer to a GPU buffer as their reads land, on a side stream, so
+    the upload overlaps the disk and whatever the device's current stream computes meanwhile (a resume's
+    head prefill). The GPU buffer is allocated on the side stream and marked in use by the device's
+    default stream, where the engine goes on to read it."""
+
+    def __init__(self, host: torch.Tensor, device: torch.device):
+        self.host, self.device = host, device
+        self.stream = _upload_streams.get(device)
+        if self.stream is None:
+            self.stream = _upload_streams[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(self.stream):
+            self.buf = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+
+    def __call__(self, a: int, b: int) -> None:
+        with torch.cuda.stream(self.stream):
+            self.buf[a:b].copy_(self.host[a:b], non_blocking=True)
+
+    def finish(self) -> torch.Tensor:
+        """Wait for every copy (the staging buffer is free again) and return the GPU buffer."""
+        self.stream.synchronize()
+        self.buf.record_stream(torch.cuda.default_stream(self.device))
+        return self.buf
+
+
+class SnapshotFile:
+    """An open local snapshot whose header is validated: `read(start)` reads and checks the KV of the tokens
+    from `start` (a multiple of `block_tokens`) on."""
+
+    def __init__(self, fd: int, header: SnapshotHeader):
+        self.fd, self.header = fd, header
+        self.bytes_per_token = sum(H * D * _ITEMSIZE[code] for code, (H, _, D), _ in header.tensors.values())
+
+    @property
+    def token_count(self) -> int:
+        return self.header.token_count
+
+    @property
+    def block_tokens(self) -> int:
+        return self.header.block_tokens
+
+    def cached(self) -> bool:
+        """Whether the payload's last page is in the page cache (a read that would block says no): a snapshot
+        written or read on this machine moments ago reads at memory speed, a cold one at the disk's."""
+        size = os.fstat(self.fd).st_size
+        if size <= self.header.payload_offset or not hasattr(os, "RWF_NOWAIT"):
+            return False
+        try:
+            return os.preadv(self.fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
+        except OSError:
+            return False
+
+    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
+        """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
+        in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
+        lands and, for a GPU, uploaded as soon as its request is checked. SnapshotRejected on a short file
+        or a checksum mismatch."""
+        h = self.header
+        if start < 0 or start % h.block_tokens or (start and start >= h.token_count):
+            raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
+        layout, nbytes = _tail_layout(h, start)
+        reqs = _read_requests(h, start, layout)
+        device = torch.device(device)
+        if device.type != "cuda":
+            host = torch.empty(nbytes, dtype=torch.uint8)
+            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
+                raise SnapshotRejected("corrupt", "checksum mismatch")
+            return _views(host, layout)
+        with _staging_lock:
+            host = _staging_buffer(nbytes)
+            upload = _Upload(host, device)
+            ok = _read_checked(self.fd, host.numpy(), h, reqs, threads, upload)
+            buf = upload.finish()  # before the staging buffer is released, whatever the reads found
+            if not ok:
+                raise SnapshotRejected("corrupt", "checksum mismatch")
+            return _views(buf, layout)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
+              dtype: torch.dtype) -> SnapshotFile:
+    """Open a local snapshot and validate its header against the WAL and the weights (nothing of the payload
+    is read yet); SnapshotRejected otherwise."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -257,24 +397,40 @@ def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
         if n > size - 8:
             raise SnapshotRejected("corrupt", f"header of {n} bytes in a file of {size}")
         h = _parse_header(os.pread(fd, n, 8), n)
-        payload = size - h.payload_offset
-        validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, payload)
-        device = torch.device(device)
-        cuda = device.type == "cuda"
-        host = _staging_buffer(payload, pinned=cuda) if cuda else torch.empty(payload, dtype=torch.uint8)
-        dst = host.numpy()
-        if not _read_checked(fd, dst, h, payload, threads):
-            raise SnapshotRejected("corrupt", "checksum mismatch")
-        if cuda:
-            buf = host.to(device, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            _staging_busy["pinned"] = done
-        else:
-            buf = host
-        return h, _views(buf, h)
-    finally:
+        validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, size - h.payload_offset)
+        return SnapshotFile(fd, h)
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def load_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
+              dtype: torch.dtype, device: torch.device | str = "cpu", threads: int = 32
+              ) -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
+    """The whole validated KV of a local snapshot on `device` (`open_file`, then `read(0)`)."""
+    f = open_file(path, traj_id, wal_tokens, policy_version, fingerprint, dtype)
+    try:
+        return f.header, f.read(0, device, threads)
+    finally:
+        f.close()
+
+
+class _Decoded:
+    """A snapshot fetched and verified whole (a remote store has no partial read): `read(start)` slices it."""
+
+    def __init__(self, header: SnapshotHeader, kv: dict[str, torch.Tensor]):
+        self.header, self._kv = header, kv
+        self.bytes_per_token = sum(t.shape[0] * t.shape[2] * t.element_size() for t in kv.values())
+        self.token_count, self.block_tokens = header.token_count, header.block_tokens
+
+    def cached(self) -> bool:
+        return True
+
+    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
+        return {k: v[:, start:].to(device) for k, v in self._kv.items()}
+
+    def close(self) -> None:
+        self._kv = {}
 
 
 class SnapshotStore:
@@ -319,6 +475,14 @@ class SnapshotStore:
                              dtype, device)
         h, kv = decode(self.get(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype)
         return h, {k: v.to(device) for k, v in kv.items()}
+
+    def open(self, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
+             dtype: torch.dtype) -> "SnapshotFile | _Decoded":
+        """The snapshot of `traj_id` with its header validated, ready to `read(start)`; SnapshotRejected
+        (missing, corrupt, mismatch, stale) otherwise. A remote snapshot is fetched and verified whole here."""
+        if self._local:
+            return open_file(self._local / self._name(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype)
+        return _Decoded(*decode(self.get(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype))
 
     def delete(self, traj_id: str) -> bool:
         if self._local:

@@ -24,11 +24,11 @@ import torch
 
 import rewards
 import wal as wal_mod
-from rollout import agent
+from rollout import agent, restore
 from rollout.commit import AsyncCommitter
 from rollout.config import EngineConfig
 from rollout.engine import Engine
-from rollout.snapshot import SnapshotRejected, SnapshotStore, encode
+from rollout.snapshot import SnapshotStore, encode
 from rollout.types import ENV_LOGPROB, Finished, Request, WorkerReport, is_sampled
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -54,6 +54,7 @@ class WorkerSpec:
     max_commit_lag: int = 4  # WAL commits that may be in flight (their tokens unexposed)
     commit_group_steps: int = 1  # decode steps per WAL commit (1: every step is committed on its own)
     wal_segment_bytes: int = 64 << 20  # in-process WAL segment size (retention works on sealed segments)
+    split_restore: bool = True  # re-prefill a resume's head while its snapshot's tail is read (rollout.restore)
 
 
 def _open_wal(spec: WorkerSpec):
@@ -109,6 +110,7 @@ class RolloutWorker:
         self.wal = _open_wal(spec)
         self.committer = AsyncCommitter(self.wal, spec.max_commit_lag, spec.commit_group_steps)
         self.store = SnapshotStore(spec.snapshot_uri)
+        self.split = restore.SplitPolicy(enabled=spec.split_restore)
         self.tools = agent.ToolGateway(spec.sandbox_target, spec.sandbox_token) if spec.sandbox_target else None
         self.queue: deque[Request] = deque()
         self.reqs: dict[str, Request] = {}
@@ -267,29 +269,21 @@ class RolloutWorker:
                 raise ValueError(f"trajectory {traj!r}: the WAL holds another prompt under this id")
             sampled = [is_sampled(lp) for lp in held.logprobs]
         self.prompt_len[traj] = len(prompt)
-        kv, rejected = None, ""
         resumed = len(committed) > len(prompt)
-        if resumed:
-            try:
-                _, kv = self.store.load(traj, committed, eng.version, eng.fingerprint, eng.dtype, eng.device)
-            except SnapshotRejected as exc:
-                rejected = exc.reason
-        try:
-            prefilled = eng.add(traj, committed, sampled, req.params, kv=kv)
-        except ValueError:
-            if kv is None:
-                raise
-            kv, rejected = None, "mismatch"
-            prefilled = eng.add(traj, committed, sampled, req.params)
-        if resumed:
+        if not resumed:
+            eng.add(traj, committed, sampled, req.params)
+        else:
+            r = restore.resume(eng, self.store, self.split, traj, committed, sampled, req.params)
             self.counters["resumed"] += 1
             if eng.seqs[traj].state == "done":
                 self.counters["resumed_complete"] += 1  # finished before the crash, not yet acknowledged: no KV needed
             else:
-                self.counters["kv_restore" if kv is not None else "reprefill"] += 1
-                if rejected:
-                    self.counters[f"snapshot_{rejected}"] += 1
-                self.counters["prefill_tokens_on_resume"] += prefilled
+                self.counters["kv_restore" if r.kv_tokens else "reprefill"] += 1
+                if r.head_tokens and r.kv_tokens:
+                    self.counters["kv_restore_split"] += 1
+                if r.rejected:
+                    self.counters[f"snapshot_{r.rejected}"] += 1
+                self.counters["prefill_tokens_on_resume"] += r.prefilled
         if eng.seqs[traj].state != "run":
             self._on_stops([traj])
         return appended

@@ -23,7 +23,7 @@ FINGERPRINT = "powercut-model"
 
 def kv(traj: str, n: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(zlib.crc32(f"{traj}:{n}".encode()))
-    return {f"layer{i}.{kind}": torch.randn(1, 2, n, 8, generator=g) for i in range(2) for kind in ("k", "v")}
+    return {f"layer{i}.{kind}": torch.randn(2, n, 8, generator=g) for i in range(2) for kind in ("k", "v")}
 
 
 def tokens(traj: str, n: int) -> list[int]:

@@ -5,7 +5,8 @@ import pytest
 
 
 @pytest.mark.slow
-def test_bench_quick_writes_targets(tmp_path):
+def test_bench_quick_writes_targets(tmp_path, monkeypatch):
+    import rollout.snapshot as snap
     from bench.rollout import main, run_gpu
 
     out = tmp_path / "r.json"
@@ -16,6 +17,9 @@ def test_bench_quick_writes_targets(tmp_path):
         "wal_overhead_share_b64_h200"}
     assert res["targets"]["engine_vs_hf_generate_cpu"]["value"] > 0
     assert res["cpu"]["fast_vs_strict_agreement"] > 0.9
+    monkeypatch.setattr(snap, "BLOCK_TOKENS", 32)  # 256 tokens: a resume can split
     gpu = run_gpu(True, tmp_path / "g", device="cpu", small=True)  # the GPU section's code at toy size
-    assert not [k for k in gpu if k.endswith("_error")] and gpu["resume"][0]["ratio"] > 0
-    assert gpu["resume"][0]["disk_read_cold_s_median"] > 0  # the bare read under the restore
+    r = gpu["resume"][0]
+    assert not [k for k in gpu if k.endswith("_error")] and r["ratio_cold_median"] > 0 and r["ratio_whole_cold_median"] > 0
+    assert r["disk_read_cold_s_median"] > 0  # the bare read under the restore
+    assert r["split_head_tokens"][0] == 128 and r["split_policy"]["prefill_us_per_token"] > 0

@@ -1,5 +1,6 @@
 """The engine on a CUDA device: the CUDA-graph decode draws what eager decode draws, strict mode is batch
-invariant in bf16, and a KV snapshot restored to the GPU resumes to the uninterrupted trajectory."""
+invariant in bf16, and a KV snapshot restored to the GPU, whole or split, resumes to the uninterrupted
+trajectory."""
 import pytest
 import torch
 
@@ -65,6 +66,37 @@ def test_kv_restore_on_gpu_resumes_exactly(gpu_policy, tmp_path):
     while eng2.seqs["k"].state == "run":
         eng2.accept(eng2.step())
     assert eng2.seqs["k"].tokens == want
+
+
+def test_split_resume_on_gpu_restores_the_snapshot_tail(gpu_policy, tmp_path, monkeypatch):
+    """On the GPU the tail is read into the pinned staging buffer and uploaded on a side stream while the
+    head is prefilled: the slot's KV is the snapshot's from the split on and equals a whole restore's."""
+    import rollout.snapshot as snap
+    from rollout import restore
+
+    monkeypatch.setattr(snap, "BLOCK_TOKENS", 8)
+    model, tok = gpu_policy
+    p = _prompts(tok, 1)[0]
+    eng = Engine(model, tok, seed=3, max_batch=2, max_len=96)
+    eng.add("k", p, [False] * len(p), P)
+    for _ in range(24):
+        eng.accept(eng.step())
+    kv, covered = eng.export_kv("k")
+    tokens, sampled = list(eng.seqs["k"].tokens), list(eng.seqs["k"].sampled)
+    store = SnapshotStore(tmp_path)
+    store.put("k", encode("k", tokens[:covered], kv, eng.version, eng.fingerprint))
+    got = {}
+    for name, policy in (("whole", restore.SplitPolicy(enabled=False)), ("split", restore.SplitPolicy())):
+        e = Engine(model, tok, seed=3, max_batch=2, max_len=96, fingerprint=eng.fingerprint)
+        r = restore.resume(e, store, policy, "k", tokens, sampled, P)
+        assert r.rejected == "" and r.kv_tokens + r.head_tokens == covered and (r.head_tokens > 0) == (name == "split")
+        slot = e.seqs["k"].slot
+        got[name] = [t[slot, :, :covered].float().cpu() for t in e.kv.k + e.kv.v], r.head_tokens
+    (whole, _), (split, head) = got["whole"], got["split"]
+    for i, (a, b) in enumerate(zip(whole, split)):
+        name = f"{'kv'[i // len(eng.kv.k)]}.{i % len(eng.kv.k)}"
+        assert torch.equal(b[:, head:], kv[name][:, head:].float()) and torch.equal(a, kv[name].float())
+        torch.testing.assert_close(b[:, :head], a[:, :head], rtol=0.05, atol=0.05)  # bf16 prefill of the head
 
 
 def test_worker_with_cuda_graphs_resumes_a_preemption_and_decodes_live_weights(tmp_path, tiny_ckpt):

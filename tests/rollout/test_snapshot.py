@@ -31,26 +31,96 @@ def test_mem_fs_store():
     assert store.get("a") == b"xyz" and store.delete("a") and store.get("a") is None
 
 
-@pytest.mark.parametrize("read_bytes", [1 << 20, 300])  # one read per chunk; several, the last one short
-def test_multi_chunk_payload_and_a_flip_in_any_chunk(tmp_path, monkeypatch, read_bytes):
+def _blocked(monkeypatch, block: int, read_bytes: int):
     import rollout.snapshot as snap
-    monkeypatch.setattr(snap, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(snap, "BLOCK_TOKENS", block)
     monkeypatch.setattr(snap, "READ_BYTES", read_bytes)
+    return snap
+
+
+@pytest.mark.parametrize("read_bytes", [1 << 20, 100])  # several pieces per request; one each
+def test_pieces_and_a_flip_in_any_piece(tmp_path, monkeypatch, read_bytes):
+    snap = _blocked(monkeypatch, 6, read_bytes)  # 20 tokens: blocks of 6, 6, 6, 2
     kv = _kv()
     data = encode("t", TOK, kv, 0, "fp")
     h = snap.read_header(data)
-    assert len(h.checksums) == -(-(len(data) - h.payload_offset) // 1000) > 3
+    assert len(h.checksums) == 4 * 2 * 4 and h.block_tokens == 6
+    ranges = [(a, b) for _, a, b in snap.pieces(h.tensors, 6)]
+    assert sorted(ranges) == ranges and ranges[0][0] == 0 and ranges[-1][1] == len(data) - h.payload_offset
+    assert all(x[1] == y[0] for x, y in zip(ranges, ranges[1:]))  # the pieces tile the payload
     store = SnapshotStore(tmp_path)
-    for off in (h.payload_offset + 5, h.payload_offset + 2500, h.payload_offset + 2950, len(data) - 1):
-        b = bytearray(data)
-        b[off] ^= 1
-        store.put("t", bytes(b))
+    for a, b in ranges[::3] + [ranges[-1]]:
+        bad = bytearray(data)
+        bad[h.payload_offset + (a + b) // 2] ^= 1
+        store.put("t", bytes(bad))
         with pytest.raises(SnapshotRejected) as e:
             store.load("t", TOK, 0, "fp", torch.float32)
         assert e.value.reason == "corrupt"
     store.put("t", data)
     _, got = store.load("t", TOK, 0, "fp", torch.float32)
     assert all(torch.equal(got[k], kv[k]) for k in kv)
+
+
+@pytest.mark.parametrize("read_bytes", [1 << 20, 100])
+@pytest.mark.parametrize("uri", ["local", "pyarrow"])
+def test_a_read_from_a_block_holds_the_kv_of_the_tokens_from_there(tmp_path, monkeypatch, read_bytes, uri):
+    snap = _blocked(monkeypatch, 6, read_bytes)
+    kv = _kv()
+    store = SnapshotStore(tmp_path / "kv" if uri == "local" else f"file://{tmp_path}/kv")
+    store.put("t", encode("t", TOK, kv, 0, "fp"))
+    f = store.open("t", TOK + [1], 0, "fp", torch.float32)
+    try:
+        assert (f.token_count, f.block_tokens, f.bytes_per_token) == (20, 6, 4 * 2 * 8 * 4)
+        for start in (0, 6, 12, 18):
+            got = f.read(start)
+            assert got.keys() == kv.keys() and all(torch.equal(got[k], kv[k][:, start:]) for k in kv), start
+        for start in (-6, 3, 20, 24):
+            with pytest.raises(ValueError):
+                f.read(start)
+    finally:
+        f.close()
+
+
+def test_a_flip_in_a_piece_not_read_is_never_seen_and_never_used(tmp_path, monkeypatch):
+    """A read from a block checks exactly the pieces it returns: damage before the block is neither reported
+    nor part of what comes back; damage from the block on is rejected."""
+    snap = _blocked(monkeypatch, 6, 1 << 20)
+    kv = _kv()
+    data = encode("t", TOK, kv, 0, "fp")
+    h = snap.read_header(data)
+    layout = {name: (a, shape) for name, (_, shape, (a, _)) in h.tensors.items()}
+    store = SnapshotStore(tmp_path)
+    for name in kv:
+        a, (H, T, D) = layout[name]
+        for head in range(H):
+            for token, rejected in ((5, False), (11, False), (12, True), (19, True)):
+                bad = bytearray(data)
+                bad[h.payload_offset + a + ((head * T + token) * D + 3) * 4] ^= 0x10
+                store.put("t", bytes(bad))
+                f = store.open("t", TOK, 0, "fp", torch.float32)
+                try:
+                    if rejected:
+                        with pytest.raises(SnapshotRejected):
+                            f.read(12)
+                    else:
+                        got = f.read(12)
+                        assert all(torch.equal(got[k], kv[k][:, 12:]) for k in kv)
+                finally:
+                    f.close()
+
+
+def test_cached_tells_a_snapshot_in_the_page_cache(tmp_path):
+    import os
+
+    store = SnapshotStore(tmp_path)
+    store.put("t", encode("t", TOK, _kv(), 0, "fp"))
+    f = store.open("t", TOK, 0, "fp", torch.float32)
+    try:
+        assert f.cached()  # just written
+        os.posix_fadvise(f.fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced by the atomic write: the pages can go
+        assert not f.cached() or os.uname().sysname != "Linux"
+    finally:
+        f.close()
 
 
 @pytest.mark.parametrize("case,reason", [

@@ -76,6 +76,34 @@ def test_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckpt, refer
     assert c["kv_restore"] >= 1 and c["reprefill"] == 0, dict(c)
 
 
+def test_a_split_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckpt, monkeypatch):
+    """Not strict, snapshots in blocks of 4 tokens: the resumes re-prefill a head while reading the rest."""
+    import rollout.snapshot as snap
+
+    monkeypatch.setattr(snap, "BLOCK_TOKENS", 4)
+
+    def spec(name):
+        return WorkerSpec(name=name, checkpoint=str(tiny_ckpt), wal_path=str(tmp_path / name / "wal"),
+                          snapshot_uri=str(tmp_path / name / "kv"), seed=11, engine=EngineConfig(max_batch=4, strict=False))
+
+    ref = RolloutWorker(spec("ref"))
+    ref.submit(_requests(3))
+    want = _drain(ref)
+    ref.close()
+    w = RolloutWorker(spec("w"))
+    w.submit(_requests(3))
+    for _ in range(12):
+        w.run(1)
+    assert w.preempt() > 0
+    w2 = RolloutWorker(spec("w"))
+    w2.submit(_requests(3))
+    out, c = _drain(w2), w2.counters
+    w2.close()
+    assert set(out) == set(want) and all(out[t].tokens == f.tokens for t, f in want.items())
+    assert all(out[t].logprobs == pytest.approx(f.logprobs, abs=1e-4) for t, f in want.items())
+    assert c["kv_restore"] >= 1 and c["kv_restore_split"] >= 1 and c["reprefill"] == 0, dict(c)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("trial", _trials(50))
 def test_resume_after_preemption_equals_uninterrupted_50(tmp_path, tiny_ckpt, reference, trial):

@@ -1,0 +1,142 @@
+"""Split resume: the head re-prefilled while the snapshot's tail is read gives the KV and the draws of a
+whole restore; a damaged tail, a KV that does not fit and a missing snapshot fall back to re-prefill with
+their reason; the split point follows the measured rates."""
+import pytest
+import torch
+
+import rollout.snapshot as snap
+from rollout import restore
+from rollout.engine import Engine
+from rollout.sampling import SamplingParams
+from rollout.snapshot import SnapshotStore, encode
+
+P = SamplingParams(temperature=1.0, max_new_tokens=60, ignore_eos=True)
+BLOCK = 8
+
+
+@pytest.fixture
+def blocks(monkeypatch):
+    monkeypatch.setattr(snap, "BLOCK_TOKENS", BLOCK)
+
+
+def _run(eng, rid):
+    while eng.seqs[rid].state == "run":
+        eng.accept(eng.step())
+    return eng.seqs[rid].tokens
+
+
+def _snapshotted(tiny_policy, tmp_path, steps=40):
+    """A trajectory decoded `steps` tokens, its snapshot stored, and the tokens it went on to draw."""
+    model, tok = tiny_policy
+    prompt = tok.encode("add 58+7=")
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    eng.add("r", prompt, [False] * len(prompt), P)
+    for _ in range(steps):
+        eng.accept(eng.step())
+    seq = eng.seqs["r"]
+    kv, covered = eng.export_kv("r")
+    store = SnapshotStore(tmp_path / "kv")
+    store.put("r", encode("r", seq.tokens[:covered], kv, eng.version, eng.fingerprint))
+    tokens, sampled = list(seq.tokens), list(seq.sampled)
+    return store, tokens, sampled, kv, covered, _run(eng, "r")
+
+
+def _slot_kv(eng, rid, n):
+    s = eng.seqs[rid].slot
+    return [t[s, :, :n].clone() for t in eng.kv.k + eng.kv.v]
+
+
+def test_split_resume_equals_a_whole_restore(tiny_policy, tmp_path, blocks):
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    whole = Engine(model, tok, seed=3, max_batch=2)
+    r0 = restore.resume(whole, store, restore.SplitPolicy(enabled=False), "r", tokens, sampled, P)
+    assert (r0.kv_tokens, r0.head_tokens, r0.rejected) == (covered, 0, "")
+    split = Engine(model, tok, seed=3, max_batch=2)
+    policy = restore.SplitPolicy()
+    r = restore.resume(split, store, policy, "r", tokens, sampled, P)
+    start = restore.SplitPolicy().start(covered, BLOCK, 1, False)  # nothing measured yet: about the middle
+    assert covered >= 2 * BLOCK and r.head_tokens == start > 0 and r.kv_tokens == covered - start
+    assert r.prefilled == start + (len(tokens) - 1 - covered) and r.rejected == ""
+    for a, b in zip(_slot_kv(whole, "r", covered), _slot_kv(split, "r", covered)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert _run(split, "r") == _run(whole, "r") == want
+    assert policy.prefill_s_per_token > 0 and policy.read_s_per_byte[True] or policy.read_s_per_byte[False]
+
+
+def test_the_tail_comes_from_the_snapshot_not_from_a_prefill(tiny_policy, tmp_path, blocks):
+    """A snapshot whose tail KV was scaled (checksums recomputed: a valid snapshot of other KV) restores the
+    scaled tail and a freshly prefilled head."""
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, _ = _snapshotted(tiny_policy, tmp_path)
+    odd = {k: v.clone() for k, v in kv.items()}
+    for v in odd.values():
+        v[:, BLOCK:] *= 2
+    store.put("r", encode("r", tokens[:covered], odd, 0, Engine(model, tok).fingerprint))
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    policy = restore.SplitPolicy()
+    policy.prefill_s_per_token, policy.read_s_per_byte[True], policy.read_s_per_byte[False] = 1.0, 1e9, 1e9
+    r = restore.resume(eng, store, policy, "r", tokens, sampled, P)  # reading costs more than all: one block read
+    last = (covered - 1) // BLOCK * BLOCK
+    assert r.head_tokens == last and r.kv_tokens == covered - last
+    got = _slot_kv(eng, "r", covered)
+    for name, t in zip([f"k.{i}" for i in range(len(eng.kv.k))] + [f"v.{i}" for i in range(len(eng.kv.v))], got):
+        torch.testing.assert_close(t[:, last:], odd[name][:, last:])
+        torch.testing.assert_close(t[:, :last], kv[name][:, :last], rtol=1e-5, atol=1e-5)
+
+
+def test_a_damaged_tail_is_rejected_and_the_rest_re_prefilled(tiny_policy, tmp_path, blocks):
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    path = store.path("r")
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x20  # the last piece: every read reads it
+    open(path, "wb").write(bytes(data))
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    assert r.rejected == "corrupt" and r.kv_tokens == 0 and r.head_tokens > 0
+    assert r.prefilled == len(tokens) - 1
+    reprefilled = Engine(model, tok, seed=3, max_batch=2)
+    reprefilled.add("r", tokens, sampled, P)
+    for a, b in zip(_slot_kv(reprefilled, "r", covered), _slot_kv(eng, "r", covered)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert _run(eng, "r") == want
+    whole = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(whole, store, restore.SplitPolicy(enabled=False), "r", tokens, sampled, P)
+    assert (r.rejected, r.kv_tokens, r.prefilled) == ("corrupt", 0, len(tokens) - 1) and _run(whole, "r") == want
+
+
+def test_a_kv_that_does_not_fit_and_a_missing_snapshot_fall_back(tiny_policy, tmp_path, blocks):
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    wrong = {k: v[:1] for k, v in kv.items()}  # one kv head of two: a valid snapshot of another model's shape
+    store.put("r", encode("r", tokens[:covered], wrong, 0, Engine(model, tok).fingerprint))
+    for policy in (restore.SplitPolicy(), restore.SplitPolicy(enabled=False)):
+        eng = Engine(model, tok, seed=3, max_batch=2)
+        r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
+        assert (r.rejected, r.kv_tokens, r.prefilled) == ("mismatch", 0, len(tokens) - 1)
+        assert eng.capacity == 1 and _run(eng, "r") == want
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, restore.SplitPolicy(), "other", tokens, sampled, P)
+    assert r.rejected == "missing" and _run(eng, "other")
+
+
+def test_the_split_point_follows_the_rates():
+    p = restore.SplitPolicy()
+    assert p.start(15, 8, 100, False) == 0  # under two blocks: read whole
+    assert p.start(64, 8, 100, False) == 32  # nothing measured: the middle
+    p.observe_prefill(100, 1.0)  # 10 ms a token
+    p.observe_read(1000, 1.0, cached=False)  # 1 ms a byte: 100 ms a token read cold
+    p.observe_read(1000, 0.001, cached=True)  # 1 us a byte: 0.1 ms a token warm
+    assert p.start(64, 8, 100, False) == 56  # reading is 10x dearer: re-prefill all but the last block
+    assert p.start(64, 8, 100, True) == 0  # warm reading is 100x cheaper: read it all
+    p.observe_read(1000, 0.1, cached=False)  # 0.1 ms a byte now: the average moves half way
+    assert p.read_s_per_byte[False] == pytest.approx(0.5 * 1e-3 + 0.5 * 1e-4)
+    assert p.start(64, 8, 100, False) == 56  # 55 ms a token read against 10 ms a prefill: 54 of 64 tokens
+    p.observe_prefill(100, 10.0)  # 100 ms a token now (an average of 55 ms): reading the most pays
+    assert p.start(64, 8, 100, False) == 32
+    q = restore.SplitPolicy()
+    q.prefill_s_per_token, q.read_s_per_byte[False] = 1e-3, 1e-5  # a token: 1 ms either way at 100 bytes
+    assert q.start(64, 8, 100, False) == 32 and q.start(4096, 1024, 100, False) == 2048
+    assert q.start(4000, 1024, 100, False) == 2048 and q.start(2100, 1024, 100, False) == 1024
+    assert restore.SplitPolicy(enabled=False).start(64, 8, 100, False) == 0
