@@ -339,7 +339,11 @@ def qwen2_05b_config(max_positions: int = 32768 + 64, small: bool = False):
                        tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643, pad_token_id=151643)
 
 
-def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = False, on_progress=None) -> dict:
+PARTS = ("decode", "wal", "resume")  # the GPU section's parts, in the order they run
+
+
+def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = False, on_progress=None,
+            parts=PARTS) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rollout.engine import model_fingerprint
@@ -358,42 +362,45 @@ def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = Fals
            "params": sum(p.numel() for p in model.parameters()),
            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "batch": B, "prompt": P, "new_tokens": N}
     med = statistics.median
-    # the strong comparison first: each side's configurations, `reps` timed runs each, medians
-    reps = 3
-    _attempt(out, "engine_static_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med)[0], on_progress)
-    _attempt(out, "engine_eager_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, fp=fp, stat=med)[0], on_progress)
-    _attempt(out, "engine_chunk_tokens_per_s_median", lambda: engine_tps(
-        model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med, decode_chunk=GPU_DECODE_CHUNK,
-        compile_decode=device == "cuda")[0], on_progress)
-    out["engine_chunk"] = f"decode_chunk={GPU_DECODE_CHUNK}, compile_decode on a CUDA device, CUDA graph"
-    _attempt(out, "hf_generate_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, stat=med), on_progress)
-    _attempt(out, "hf_static_compile_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, static=True, stat=med), on_progress)
-    out["hf_static_compiled"] = getattr(model, "_compiled_call", None) is not None  # whether HF did compile the forward
-    modes = ("engine_static_tokens_per_s_median", "engine_eager_tokens_per_s_median", "engine_chunk_tokens_per_s_median")
-    ours = max(out.get(m, 0) for m in modes)
-    if ours:
-        out["engine_best_mode"] = max(modes, key=lambda m: out.get(m, 0)).split("_")[1]
-    hf = max(out.get("hf_generate_tokens_per_s_median", 0), out.get("hf_static_compile_tokens_per_s_median", 0))
-    out["hf_static_compile"] = "cache_implementation='static', transformers CompileConfig() defaults (torch.compile of the forward)"
-    if ours and hf:
-        out["engine_vs_hf_best"] = ours / hf
-        out["hf_best_mode"] = "static+compile" if out.get("hf_static_compile_tokens_per_s_median", 0) >= out.get("hf_generate_tokens_per_s_median", 0) else "eager dynamic cache"
-    # the earlier figures (best of 2 of our static decode, one run of HF's default generate)
-    out["engine_static_tokens_per_s"] = out.get("engine_static_tokens_per_s_median")
-    out["engine_eager_tokens_per_s"] = out.get("engine_eager_tokens_per_s_median")
-    out["hf_generate_tokens_per_s"] = out.get("hf_generate_tokens_per_s_median")
-    if ours and out.get("hf_generate_tokens_per_s"):
-        out["engine_vs_hf_generate"] = ours / out["hf_generate_tokens_per_s"]
-    static_ok = "engine_static_tokens_per_s_median" in out
-    _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
-                                              static=static_ok, fp=fp, rounds=7), on_progress)
-    _attempt(out, "wal_append_in_commit_thread", lambda: wal_overhead(
-        model, None, prompts, min(N, 128), device, scratch / "walt", static=static_ok, fp=fp, append_inline=False,
-        rounds=2), on_progress)
-    for g in (4, 8):
-        _attempt(out, f"wal_group{g}", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / f"wal{g}",
-                                                            static=static_ok, fp=fp, group_steps=g, rounds=2), on_progress)
-    ctxs = (2048, 8192, 32768) if not small else (256,)
+    if "decode" in parts:
+        # the strong comparison first: each side's configurations, `reps` timed runs each, medians
+        reps = 3
+        _attempt(out, "engine_static_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med)[0], on_progress)
+        _attempt(out, "engine_eager_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, fp=fp, stat=med)[0], on_progress)
+        _attempt(out, "engine_chunk_tokens_per_s_median", lambda: engine_tps(
+            model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med, decode_chunk=GPU_DECODE_CHUNK,
+            compile_decode=device == "cuda")[0], on_progress)
+        out["engine_chunk"] = f"decode_chunk={GPU_DECODE_CHUNK}, compile_decode on a CUDA device, CUDA graph"
+        _attempt(out, "hf_generate_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, stat=med), on_progress)
+        _attempt(out, "hf_static_compile_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, static=True, stat=med), on_progress)
+        out["hf_static_compiled"] = getattr(model, "_compiled_call", None) is not None  # whether HF did compile the forward
+        modes = ("engine_static_tokens_per_s_median", "engine_eager_tokens_per_s_median", "engine_chunk_tokens_per_s_median")
+        ours = max(out.get(m, 0) for m in modes)
+        if ours:
+            out["engine_best_mode"] = max(modes, key=lambda m: out.get(m, 0)).split("_")[1]
+        hf = max(out.get("hf_generate_tokens_per_s_median", 0), out.get("hf_static_compile_tokens_per_s_median", 0))
+        out["hf_static_compile"] = "cache_implementation='static', transformers CompileConfig() defaults (torch.compile of the forward)"
+        if ours and hf:
+            out["engine_vs_hf_best"] = ours / hf
+            out["hf_best_mode"] = "static+compile" if out.get("hf_static_compile_tokens_per_s_median", 0) >= out.get("hf_generate_tokens_per_s_median", 0) else "eager dynamic cache"
+        # the earlier figures (best of 2 of our static decode, one run of HF's default generate)
+        out["engine_static_tokens_per_s"] = out.get("engine_static_tokens_per_s_median")
+        out["engine_eager_tokens_per_s"] = out.get("engine_eager_tokens_per_s_median")
+        out["hf_generate_tokens_per_s"] = out.get("hf_generate_tokens_per_s_median")
+        if ours and out.get("hf_generate_tokens_per_s"):
+            out["engine_vs_hf_generate"] = ours / out["hf_generate_tokens_per_s"]
+    if "wal" in parts:
+        static_ok = "engine_static_tokens_per_s_median" in out
+        _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
+                                                  static=static_ok, fp=fp, rounds=7), on_progress)
+        _attempt(out, "wal_append_in_commit_thread", lambda: wal_overhead(
+            model, None, prompts, min(N, 128), device, scratch / "walt", static=static_ok, fp=fp, append_inline=False,
+            rounds=2), on_progress)
+        for g in (4, 8):
+            _attempt(out, f"wal_group{g}", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / f"wal{g}",
+                                                                static=static_ok, fp=fp, group_steps=g, rounds=2), on_progress)
+    ctxs = () if "resume" not in parts else (2048, 8192, 32768) if not small else (256,)
+    out["parts"] = list(parts)
     out["resume"] = []
     for c in ctxs:
         r: dict = {}
@@ -418,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print JSON (always on; kept for a uniform CLI)")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
     ap.add_argument("--gpu-only", action="store_true", help="skip the CPU part")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"GPU parts to run, comma-separated (default: all of "
+                    f"{','.join(PARTS)}); the targets of a part not run say so")
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--scratch", help="directory for WAL and snapshot files (default: a temp dir; use a disk, not tmpfs)")
     args = ap.parse_args(argv)
@@ -428,12 +437,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gpu_only:
         res["cpu"] = run_cpu(args.quick, scratch / "cpu")
     gpu_note = "not run: no CUDA device in this run (see bench/results/rollout_h200.json when present)"
+    parts = PARTS
     if torch.cuda.is_available():
         def save_partial(gpu_part):  # a run cut short still leaves what it measured
             if args.out:
                 Path(args.out).write_text(json.dumps({**res, "gpu": gpu_part, "partial": True}, indent=2) + "\n")
 
-        res["gpu"] = run_gpu(args.quick, scratch / "gpu", on_progress=save_partial)
+        parts = tuple(x for x in args.parts.split(",") if x)
+        if not parts or set(parts) - set(PARTS):
+            ap.error(f"--parts: choose from {','.join(PARTS)}")
+        res["gpu"] = run_gpu(args.quick, scratch / "gpu", on_progress=save_partial, parts=parts)
         res["device"] = f"{res['gpu']['gpu']} + {cpu_name()}" + ("" if args.gpu_only else " (CPU part: 2 threads)")
         gpu_note = None
     cpu, gpu = res.get("cpu"), res.get("gpu")
@@ -446,15 +459,20 @@ def main(argv: list[str] | None = None) -> int:
         f"re-prefill over a bare cold read of the same file (32 preads of 1 MiB in flight, nothing checked or "
         f"uploaded, {res32['disk_read_cold_gb_s']:.2f} GB/s) is {floor:.2f}")
     w = (gpu or {}).get("wal", {})
+
+    def skipped(part):
+        return gpu_note or (None if part in parts else f"not run: this run's GPU parts were {','.join(parts)}")
+
     res["targets"] = {
         "engine_vs_hf_generate_cpu": _target("engine_vs_hf_generate_cpu", cpu and cpu["engine_vs_hf_generate"],
                                              None if cpu else "CPU part skipped (--gpu-only)"),
         "engine_vs_hf_static_compile_h200_b64": _target("engine_vs_hf_static_compile_h200_b64",
-                                                        gpu and gpu.get("engine_vs_hf_best"), gpu_note),
-        "reprefill_vs_kv_restore_cold_32k": _target("reprefill_vs_kv_restore_cold_32k", r32, gpu_note or floor_note),
+                                                        gpu and gpu.get("engine_vs_hf_best"), skipped("decode")),
+        "reprefill_vs_kv_restore_cold_32k": _target("reprefill_vs_kv_restore_cold_32k", r32,
+                                                    skipped("resume") or floor_note),
         "wal_overhead_share_b64_h200": _target(
             "wal_overhead_share_b64_h200", w.get("wal_overhead_share"),
-            gpu_note or (f"one WAL commit per decode step (group_steps=1); shares of the {w.get('paired_rounds')} pairs "
+            skipped("wal") or (f"one WAL commit per decode step (group_steps=1); shares of the {w.get('paired_rounds')} pairs "
                          f"range {w.get('median_interval')} (holds the true median with probability "
                          f"{w.get('median_interval_coverage')}); gpu.wal_group4/8 commit every 4/8 steps")),
     }
