@@ -73,8 +73,8 @@ class PoolConfig(Config):
                                        "answers it in the service process (fast; python stays isolated)")
     snapshot_uri: str = Field("", description="KV snapshot store (dir or pyarrow.fs URI); empty = RUN_DIR/kv")
     split_restore: bool = Field(True, description="a resume re-prefills the head of its tokens while the rest of the "
-                                "KV snapshot is read, split where both take as long (rates measured by the worker); "
-                                "false reads the whole snapshot")
+                                "KV snapshot is read, split where both take as long (rates measured by the worker; "
+                                "engines on an accelerator outside strict mode); false reads the whole snapshot")
     commit_group_steps: int = Field(1, ge=1, le=256, description="decode steps per WAL commit (tokens are exposed only once committed)")
     max_commit_lag: int = Field(4, ge=1, le=256, description="WAL commits in flight in the background while decoding goes on")
     max_replacements: int = Field(64, ge=0, le=100_000, description="worker replacements before the pool gives up")

@@ -6,6 +6,7 @@ import pytest
 
 @pytest.mark.slow
 def test_bench_quick_writes_targets(tmp_path, monkeypatch):
+    import rollout.restore as restore
     import rollout.snapshot as snap
     from bench.rollout import main, run_gpu
 
@@ -18,6 +19,7 @@ def test_bench_quick_writes_targets(tmp_path, monkeypatch):
     assert res["targets"]["engine_vs_hf_generate_cpu"]["value"] > 0
     assert res["cpu"]["fast_vs_strict_agreement"] > 0.9
     monkeypatch.setattr(snap, "BLOCK_TOKENS", 32)  # 256 tokens: a resume can split
+    monkeypatch.setattr(restore, "SPLIT_ON_CPU", True)
     gpu = run_gpu(True, tmp_path / "g", device="cpu", small=True)  # the GPU section's code at toy size
     r = gpu["resume"][0]
     assert not [k for k in gpu if k.endswith("_error")] and r["ratio_cold_median"] > 0 and r["ratio_whole_cold_median"] > 0

@@ -17,6 +17,7 @@ BLOCK = 8
 @pytest.fixture
 def blocks(monkeypatch):
     monkeypatch.setattr(snap, "BLOCK_TOKENS", BLOCK)
+    monkeypatch.setattr(restore, "SPLIT_ON_CPU", True)
 
 
 def _run(eng, rid):
@@ -119,6 +120,15 @@ def test_a_kv_that_does_not_fit_and_a_missing_snapshot_fall_back(tiny_policy, tm
     eng = Engine(model, tok, seed=3, max_batch=2)
     r = restore.resume(eng, store, restore.SplitPolicy(), "other", tokens, sampled, P)
     assert r.rejected == "missing" and _run(eng, "other")
+
+
+def test_an_engine_on_the_cpu_reads_whole(tiny_policy, tmp_path, monkeypatch):
+    monkeypatch.setattr(snap, "BLOCK_TOKENS", BLOCK)
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    assert (r.head_tokens, r.kv_tokens, r.rejected) == (0, covered, "") and _run(eng, "r") == want
 
 
 def test_the_split_point_follows_the_rates():

@@ -78,9 +78,11 @@ def test_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckpt, refer
 
 def test_a_split_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckpt, monkeypatch):
     """Not strict, snapshots in blocks of 4 tokens: the resumes re-prefill a head while reading the rest."""
+    import rollout.restore as restore
     import rollout.snapshot as snap
 
     monkeypatch.setattr(snap, "BLOCK_TOKENS", 4)
+    monkeypatch.setattr(restore, "SPLIT_ON_CPU", True)
 
     def spec(name):
         return WorkerSpec(name=name, checkpoint=str(tiny_ckpt), wal_path=str(tmp_path / name / "wal"),
