@@ -78,8 +78,9 @@ SPLIT_ON_CPU = False  # split also when the engine runs on the CPU (tests do, to
 
 
 def _sync(device) -> None:
+    """Wait for the head's prefill: the engine's stream only (the tail's uploads run on their own)."""
     if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _timed_read(f, start: int, device, threads: int):
