@@ -9,12 +9,13 @@ much; reading the tail while recomputing the head can, by up to 2x. The KV of a 
 the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the whole would give.
 
 The split point comes from rates this process has measured (`SplitPolicy`): seconds per re-prefilled
-token and seconds per byte read, the latter apart for snapshots in the page cache and cold ones (a
-snapshot written or read here moments ago reads at memory speed). Until both are known the first
-resume splits in the middle, which measures both. Snapshots of fewer than two blocks, a strict engine,
-`enabled=False` and an engine on the CPU read whole: there the prefill and the read share the same
-cores, so neither gets faster by running beside the other (on a 2-core machine a split resume of 256
-tokens took 2.7x a whole read).
+token and seconds per byte read cold. Until both are known the first resume splits in the middle, which
+measures both. A snapshot in the page cache (written or read here moments ago: a preemption resumed by
+the same worker) reads whole: it reads at memory speed, and beside a prefill it read slower than alone
+(a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks, a
+strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
+read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a
+split resume of 256 tokens took 2.7x a whole read).
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ class Resumed:
 class SplitPolicy:
     """Where to split a resume: exponential averages (weight `alpha` for the newest) of the measured costs."""
 
-    def __init__(self, enabled: bool = True, alpha: float = 0.5):
-        self.enabled, self.alpha = enabled, alpha
+    def __init__(self, enabled: bool = True, alpha: float = 0.5, split_cached: bool = False):
+        self.enabled, self.alpha, self.split_cached = enabled, alpha, split_cached
         self.prefill_s_per_token: float | None = None
         self.read_s_per_byte: dict[bool, float | None] = {True: None, False: None}  # by `cached`
         self._lock = threading.Lock()
@@ -60,8 +61,9 @@ class SplitPolicy:
 
     def start(self, token_count: int, block: int, bytes_per_token: int, cached: bool) -> int:
         """The first token whose KV is read (a block boundary; 0 reads all): where re-prefilling the head
-        and reading the tail would take equally long. The tail keeps at least one block."""
-        if not self.enabled or block < 1 or token_count < 2 * block:
+        and reading the tail would take equally long. The tail keeps at least one block. A cached snapshot
+        reads whole unless `split_cached`."""
+        if not self.enabled or block < 1 or token_count < 2 * block or (cached and not self.split_cached):
             return 0
         last = (token_count - 1) // block * block
         p, r = self.prefill_s_per_token, self.read_s_per_byte[cached]

@@ -326,8 +326,8 @@ class SnapshotFile:
     """An open local snapshot whose header is validated: `read(start)` reads and checks the KV of the tokens
     from `start` (a multiple of `block_tokens`) on."""
 
-    def __init__(self, fd: int, header: SnapshotHeader):
-        self.fd, self.header = fd, header
+    def __init__(self, fd: int, header: SnapshotHeader, cached: bool):
+        self.fd, self.header, self._cached = fd, header, cached
         self.bytes_per_token = sum(H * D * _ITEMSIZE[code] for code, (H, _, D), _ in header.tensors.values())
 
     @property
@@ -339,15 +339,10 @@ class SnapshotFile:
         return self.header.block_tokens
 
     def cached(self) -> bool:
-        """Whether the payload's last page is in the page cache (a read that would block says no): a snapshot
-        written or read on this machine moments ago reads at memory speed, a cold one at the disk's."""
-        size = os.fstat(self.fd).st_size
-        if size <= self.header.payload_offset or not hasattr(os, "RWF_NOWAIT"):
-            return False
-        try:
-            return os.preadv(self.fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
-        except OSError:
-            return False
+        """Whether the file's last page was in the page cache when it was opened, before its header was read
+        (a read that would have blocked says no): a snapshot written or read on this machine moments ago
+        reads at memory speed, a cold one at the disk's."""
+        return self._cached
 
     def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
@@ -380,6 +375,16 @@ class SnapshotFile:
             self.fd = -1
 
 
+def _in_page_cache(fd: int, size: int) -> bool:
+    """Whether the last byte of the file reads without blocking (`RWF_NOWAIT`; False where unsupported)."""
+    if size == 0 or not hasattr(os, "RWF_NOWAIT"):
+        return False
+    try:
+        return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
+    except OSError:
+        return False
+
+
 def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
               dtype: torch.dtype) -> SnapshotFile:
     """Open a local snapshot and validate its header against the WAL and the weights (nothing of the payload
@@ -390,6 +395,7 @@ def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
         raise SnapshotRejected("missing", f"no snapshot for {traj_id}") from None
     try:
         size = os.fstat(fd).st_size
+        cached = _in_page_cache(fd, size)
         head8 = os.pread(fd, 8, 0)
         if len(head8) < 8:
             raise SnapshotRejected("corrupt", "truncated before the header")
@@ -398,7 +404,7 @@ def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
             raise SnapshotRejected("corrupt", f"header of {n} bytes in a file of {size}")
         h = _parse_header(os.pread(fd, n, 8), n)
         validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, size - h.payload_offset)
-        return SnapshotFile(fd, h)
+        return SnapshotFile(fd, h, cached)
     except BaseException:
         os.close(fd)
         raise

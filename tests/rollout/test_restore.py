@@ -54,7 +54,7 @@ def test_split_resume_equals_a_whole_restore(tiny_policy, tmp_path, blocks):
     r0 = restore.resume(whole, store, restore.SplitPolicy(enabled=False), "r", tokens, sampled, P)
     assert (r0.kv_tokens, r0.head_tokens, r0.rejected) == (covered, 0, "")
     split = Engine(model, tok, seed=3, max_batch=2)
-    policy = restore.SplitPolicy()
+    policy = restore.SplitPolicy(split_cached=True)  # the snapshot was just written: in the page cache
     r = restore.resume(split, store, policy, "r", tokens, sampled, P)
     start = restore.SplitPolicy().start(covered, BLOCK, 1, False)  # nothing measured yet: about the middle
     assert covered >= 2 * BLOCK and r.head_tokens == start > 0 and r.kv_tokens == covered - start
@@ -75,7 +75,7 @@ def test_the_tail_comes_from_the_snapshot_not_from_a_prefill(tiny_policy, tmp_pa
         v[:, BLOCK:] *= 2
     store.put("r", encode("r", tokens[:covered], odd, 0, Engine(model, tok).fingerprint))
     eng = Engine(model, tok, seed=3, max_batch=2)
-    policy = restore.SplitPolicy()
+    policy = restore.SplitPolicy(split_cached=True)
     policy.prefill_s_per_token, policy.read_s_per_byte[True], policy.read_s_per_byte[False] = 1.0, 1e9, 1e9
     r = restore.resume(eng, store, policy, "r", tokens, sampled, P)  # reading costs more than all: one block read
     last = (covered - 1) // BLOCK * BLOCK
@@ -94,7 +94,7 @@ def test_a_damaged_tail_is_rejected_and_the_rest_re_prefilled(tiny_policy, tmp_p
     data[-3] ^= 0x20  # the last piece: every read reads it
     open(path, "wb").write(bytes(data))
     eng = Engine(model, tok, seed=3, max_batch=2)
-    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    r = restore.resume(eng, store, restore.SplitPolicy(split_cached=True), "r", tokens, sampled, P)
     assert r.rejected == "corrupt" and r.kv_tokens == 0 and r.head_tokens > 0
     assert r.prefilled == len(tokens) - 1
     reprefilled = Engine(model, tok, seed=3, max_batch=2)
@@ -107,12 +107,25 @@ def test_a_damaged_tail_is_rejected_and_the_rest_re_prefilled(tiny_policy, tmp_p
     assert (r.rejected, r.kv_tokens, r.prefilled) == ("corrupt", 0, len(tokens) - 1) and _run(whole, "r") == want
 
 
+def test_a_cold_snapshot_splits_with_the_default_policy(tiny_policy, tmp_path, blocks):
+    import os
+
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    fd = os.open(store.path("r"), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced when written: the pages can go
+    os.close(fd)
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    assert r.head_tokens > 0 and r.kv_tokens == covered - r.head_tokens and _run(eng, "r") == want
+
+
 def test_a_kv_that_does_not_fit_and_a_missing_snapshot_fall_back(tiny_policy, tmp_path, blocks):
     model, tok = tiny_policy
     store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
     wrong = {k: v[:1] for k, v in kv.items()}  # one kv head of two: a valid snapshot of another model's shape
     store.put("r", encode("r", tokens[:covered], wrong, 0, Engine(model, tok).fingerprint))
-    for policy in (restore.SplitPolicy(), restore.SplitPolicy(enabled=False)):
+    for policy in (restore.SplitPolicy(split_cached=True), restore.SplitPolicy(enabled=False)):
         eng = Engine(model, tok, seed=3, max_batch=2)
         r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
         assert (r.rejected, r.kv_tokens, r.prefilled) == ("mismatch", 0, len(tokens) - 1)
@@ -127,12 +140,13 @@ def test_an_engine_on_the_cpu_reads_whole(tiny_policy, tmp_path, monkeypatch):
     model, tok = tiny_policy
     store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
     eng = Engine(model, tok, seed=3, max_batch=2)
-    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    r = restore.resume(eng, store, restore.SplitPolicy(split_cached=True), "r", tokens, sampled, P)
     assert (r.head_tokens, r.kv_tokens, r.rejected) == (0, covered, "") and _run(eng, "r") == want
 
 
 def test_the_split_point_follows_the_rates():
-    p = restore.SplitPolicy()
+    assert restore.SplitPolicy().start(64, 8, 100, True) == 0  # a cached snapshot reads whole
+    p = restore.SplitPolicy(split_cached=True)
     assert p.start(15, 8, 100, False) == 0  # under two blocks: read whole
     assert p.start(64, 8, 100, False) == 32  # nothing measured: the middle
     p.observe_prefill(100, 1.0)  # 10 ms a token

@@ -78,6 +78,8 @@ def test_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckpt, refer
 
 def test_a_split_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckpt, monkeypatch):
     """Not strict, snapshots in blocks of 4 tokens: the resumes re-prefill a head while reading the rest."""
+    import os
+
     import rollout.restore as restore
     import rollout.snapshot as snap
 
@@ -97,6 +99,10 @@ def test_a_split_resume_after_preemption_equals_uninterrupted(tmp_path, tiny_ckp
     for _ in range(12):
         w.run(1)
     assert w.preempt() > 0
+    for path in w.store.ids_on_disk():  # resumed elsewhere: the snapshots are cold there
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
     w2 = RolloutWorker(spec("w"))
     w2.submit(_requests(3))
     out, c = _drain(w2), w2.counters
