@@ -80,7 +80,7 @@ SPLIT_ON_CPU = False  # split also when the engine runs on the CPU (tests do, to
 
 
 def _sync(device) -> None:
-    """Wait for the head's prefill: the engine's stream only (the tail's uploads run on their own)."""
+    """Wait for the head's prefill: the engine's stream only."""
     if torch.device(device).type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 

@@ -263,10 +263,9 @@ def _read_requests(h: SnapshotHeader, start: int, layout: dict) -> list[tuple[in
     return reqs
 
 
-def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int, landed=None) -> bool:
+def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int) -> bool:
     """Run the read requests into `dst`, up to `threads` at a time, each checksumming its pieces as it
-    lands and then handing its range to `landed(begin, end)` (the upload). False on a short read or a
-    checksum mismatch."""
+    lands. False on a short read or a checksum mismatch."""
 
     def one(req) -> bool:
         off, at, n, checks = req
@@ -274,11 +273,7 @@ def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int, lan
         if not pread_into(fd, memoryview(dst[at:at + n]).cast("B"), off):
             return False
         # crc32c checksums a writable buffer in place, without the GIL (google_crc32c takes only bytes)
-        if not all(crc32c.crc32c(memoryview(dst[a:b]).cast("B")) == h.checksums[k] for k, a, b in checks):
-            return False
-        if landed is not None:
-            landed(at, at + n)
-        return True
+        return all(crc32c.crc32c(memoryview(dst[a:b]).cast("B")) == h.checksums[k] for k, a, b in checks)
 
     if threads <= 1 or len(reqs) <= 1:  # one request (a small KV): a hand-off would cost more than the read
         return all(map(one, reqs))
@@ -297,29 +292,18 @@ def reader_pool(threads: int) -> ThreadPoolExecutor:
         return _pools[threads]
 
 
-class _Upload:
-    """Copies ranges of the pinned staging buffer to a GPU buffer as their reads land, on a side stream, so
-    the upload overlaps the disk and whatever the device's current stream computes meanwhile (a resume's
-    head prefill). The GPU buffer is allocated on the side stream and marked in use by the device's
-    default stream, where the engine goes on to read it."""
-
-    def __init__(self, host: torch.Tensor, device: torch.device):
-        self.host, self.device = host, device
-        self.stream = _upload_streams.get(device)
-        if self.stream is None:
-            self.stream = _upload_streams[device] = torch.cuda.Stream(device)
-        with torch.cuda.stream(self.stream):
-            self.buf = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-
-    def __call__(self, a: int, b: int) -> None:
-        with torch.cuda.stream(self.stream):
-            self.buf[a:b].copy_(self.host[a:b], non_blocking=True)
-
-    def finish(self) -> torch.Tensor:
-        """Wait for every copy (the staging buffer is free again) and return the GPU buffer."""
-        self.stream.synchronize()
-        self.buf.record_stream(torch.cuda.default_stream(self.device))
-        return self.buf
+def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy `host` to the GPU on a side stream and wait for it; the destination is allocated on the device's
+    current stream, which goes on to use it (so the copy waits for what that stream has queued)."""
+    buf = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+    stream = _upload_streams.get(device)
+    if stream is None:
+        stream = _upload_streams[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))  # the allocation precedes the copy
+    with torch.cuda.stream(stream):
+        buf.copy_(host, non_blocking=True)
+    stream.synchronize()
+    return buf
 
 
 class SnapshotFile:
@@ -347,8 +331,7 @@ class SnapshotFile:
     def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
         in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
-        lands and, for a GPU, uploaded as soon as its request is checked. SnapshotRejected on a short file
-        or a checksum mismatch."""
+        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch."""
         h = self.header
         if start < 0 or start % h.block_tokens or (start and start >= h.token_count):
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
@@ -362,12 +345,9 @@ class SnapshotFile:
             return _views(host, layout)
         with _staging_lock:
             host = _staging_buffer(nbytes)
-            upload = _Upload(host, device)
-            ok = _read_checked(self.fd, host.numpy(), h, reqs, threads, upload)
-            buf = upload.finish()  # before the staging buffer is released, whatever the reads found
-            if not ok:
+            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
                 raise SnapshotRejected("corrupt", "checksum mismatch")
-            return _views(buf, layout)
+            return _views(_upload(host, device), layout)
 
     def close(self) -> None:
         if self.fd >= 0:
