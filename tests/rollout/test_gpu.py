@@ -86,7 +86,8 @@ def test_split_resume_on_gpu_restores_the_snapshot_tail(gpu_policy, tmp_path, mo
     store = SnapshotStore(tmp_path)
     store.put("k", encode("k", tokens[:covered], kv, eng.version, eng.fingerprint))
     got = {}
-    for name, policy in (("whole", restore.SplitPolicy(enabled=False)), ("split", restore.SplitPolicy())):
+    policies = {"whole": restore.SplitPolicy(enabled=False), "split": restore.SplitPolicy(split_cached=True)}
+    for name, policy in policies.items():  # the snapshot was just written: in the page cache
         e = Engine(model, tok, seed=3, max_batch=2, max_len=96, fingerprint=eng.fingerprint)
         r = restore.resume(e, store, policy, "k", tokens, sampled, P)
         assert r.rejected == "" and r.kv_tokens + r.head_tokens == covered and (r.head_tokens > 0) == (name == "split")
