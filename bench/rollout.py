@@ -339,6 +339,48 @@ def qwen2_05b_config(max_positions: int = 32768 + 64, small: bool = False):
                        tie_word_embeddings=True, rope_theta=1e6, eos_token_id=151643, pad_token_id=151643)
 
 
+def _gpu_decode(out, model, prompts, N, device, fp, on_progress) -> None:
+    """Our decode modes against HF `generate`'s: each side's configurations, `reps` timed runs each, medians."""
+    med = statistics.median
+    reps = 3
+    _attempt(out, "engine_static_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med)[0], on_progress)
+    _attempt(out, "engine_eager_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, fp=fp, stat=med)[0], on_progress)
+    _attempt(out, "engine_chunk_tokens_per_s_median", lambda: engine_tps(
+        model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med, decode_chunk=GPU_DECODE_CHUNK,
+        compile_decode=device == "cuda")[0], on_progress)
+    out["engine_chunk"] = f"decode_chunk={GPU_DECODE_CHUNK}, compile_decode on a CUDA device, CUDA graph"
+    _attempt(out, "hf_generate_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, stat=med), on_progress)
+    _attempt(out, "hf_static_compile_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, static=True, stat=med), on_progress)
+    out["hf_static_compiled"] = getattr(model, "_compiled_call", None) is not None  # whether HF did compile the forward
+    modes = ("engine_static_tokens_per_s_median", "engine_eager_tokens_per_s_median", "engine_chunk_tokens_per_s_median")
+    ours = max(out.get(m, 0) for m in modes)
+    if ours:
+        out["engine_best_mode"] = max(modes, key=lambda m: out.get(m, 0)).split("_")[1]
+    hf = max(out.get("hf_generate_tokens_per_s_median", 0), out.get("hf_static_compile_tokens_per_s_median", 0))
+    out["hf_static_compile"] = "cache_implementation='static', transformers CompileConfig() defaults (torch.compile of the forward)"
+    if ours and hf:
+        out["engine_vs_hf_best"] = ours / hf
+        out["hf_best_mode"] = "static+compile" if out.get("hf_static_compile_tokens_per_s_median", 0) >= out.get("hf_generate_tokens_per_s_median", 0) else "eager dynamic cache"
+    # the earlier figures (best of 2 of our static decode, one run of HF's default generate)
+    out["engine_static_tokens_per_s"] = out.get("engine_static_tokens_per_s_median")
+    out["engine_eager_tokens_per_s"] = out.get("engine_eager_tokens_per_s_median")
+    out["hf_generate_tokens_per_s"] = out.get("hf_generate_tokens_per_s_median")
+    if ours and out.get("hf_generate_tokens_per_s"):
+        out["engine_vs_hf_generate"] = ours / out["hf_generate_tokens_per_s"]
+
+
+def _gpu_wal(out, model, prompts, N, device, scratch, fp, static, on_progress) -> None:
+    """The decode loop with and without a WAL commit per step (and variants), paired rounds."""
+    _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
+                                              static=static, fp=fp, rounds=7), on_progress)
+    _attempt(out, "wal_append_in_commit_thread", lambda: wal_overhead(
+        model, None, prompts, min(N, 128), device, scratch / "walt", static=static, fp=fp, append_inline=False,
+        rounds=2), on_progress)
+    for g in (4, 8):
+        _attempt(out, f"wal_group{g}", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / f"wal{g}",
+                                                            static=static, fp=fp, group_steps=g, rounds=2), on_progress)
+
+
 PARTS = ("decode", "wal", "resume")  # the GPU section's parts, in the order they run
 
 
@@ -361,44 +403,11 @@ def run_gpu(quick: bool, scratch: Path, device: str = "cuda", small: bool = Fals
     out = {"model": "qwen2-0.5B-style random " + str(dtype).removeprefix("torch."),
            "params": sum(p.numel() for p in model.parameters()),
            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "batch": B, "prompt": P, "new_tokens": N}
-    med = statistics.median
     if "decode" in parts:
-        # the strong comparison first: each side's configurations, `reps` timed runs each, medians
-        reps = 3
-        _attempt(out, "engine_static_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med)[0], on_progress)
-        _attempt(out, "engine_eager_tokens_per_s_median", lambda: engine_tps(model, None, prompts, N, device, reps=reps, fp=fp, stat=med)[0], on_progress)
-        _attempt(out, "engine_chunk_tokens_per_s_median", lambda: engine_tps(
-            model, None, prompts, N, device, reps=reps, static=True, fp=fp, stat=med, decode_chunk=GPU_DECODE_CHUNK,
-            compile_decode=device == "cuda")[0], on_progress)
-        out["engine_chunk"] = f"decode_chunk={GPU_DECODE_CHUNK}, compile_decode on a CUDA device, CUDA graph"
-        _attempt(out, "hf_generate_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, stat=med), on_progress)
-        _attempt(out, "hf_static_compile_tokens_per_s_median", lambda: hf_tps(model, None, prompts, N, device, reps=reps, static=True, stat=med), on_progress)
-        out["hf_static_compiled"] = getattr(model, "_compiled_call", None) is not None  # whether HF did compile the forward
-        modes = ("engine_static_tokens_per_s_median", "engine_eager_tokens_per_s_median", "engine_chunk_tokens_per_s_median")
-        ours = max(out.get(m, 0) for m in modes)
-        if ours:
-            out["engine_best_mode"] = max(modes, key=lambda m: out.get(m, 0)).split("_")[1]
-        hf = max(out.get("hf_generate_tokens_per_s_median", 0), out.get("hf_static_compile_tokens_per_s_median", 0))
-        out["hf_static_compile"] = "cache_implementation='static', transformers CompileConfig() defaults (torch.compile of the forward)"
-        if ours and hf:
-            out["engine_vs_hf_best"] = ours / hf
-            out["hf_best_mode"] = "static+compile" if out.get("hf_static_compile_tokens_per_s_median", 0) >= out.get("hf_generate_tokens_per_s_median", 0) else "eager dynamic cache"
-        # the earlier figures (best of 2 of our static decode, one run of HF's default generate)
-        out["engine_static_tokens_per_s"] = out.get("engine_static_tokens_per_s_median")
-        out["engine_eager_tokens_per_s"] = out.get("engine_eager_tokens_per_s_median")
-        out["hf_generate_tokens_per_s"] = out.get("hf_generate_tokens_per_s_median")
-        if ours and out.get("hf_generate_tokens_per_s"):
-            out["engine_vs_hf_generate"] = ours / out["hf_generate_tokens_per_s"]
-    if "wal" in parts:
-        static_ok = "engine_static_tokens_per_s_median" in out
-        _attempt(out, "wal", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / "wal",
-                                                  static=static_ok, fp=fp, rounds=7), on_progress)
-        _attempt(out, "wal_append_in_commit_thread", lambda: wal_overhead(
-            model, None, prompts, min(N, 128), device, scratch / "walt", static=static_ok, fp=fp, append_inline=False,
-            rounds=2), on_progress)
-        for g in (4, 8):
-            _attempt(out, f"wal_group{g}", lambda: wal_overhead(model, None, prompts, min(N, 128), device, scratch / f"wal{g}",
-                                                                static=static_ok, fp=fp, group_steps=g, rounds=2), on_progress)
+        _gpu_decode(out, model, prompts, N, device, fp, on_progress)
+    if "wal" in parts:  # the static decode unless this run's decode part found it failing
+        static = "decode" not in parts or "engine_static_tokens_per_s_median" in out
+        _gpu_wal(out, model, prompts, N, device, scratch, fp, static, on_progress)
     ctxs = () if "resume" not in parts else (2048, 8192, 32768) if not small else (256,)
     out["parts"] = list(parts)
     out["resume"] = []

@@ -175,7 +175,7 @@ class Engine:
         slot = min(self._free)
         deferred = callable(kv)
         if kv is not None and not deferred:
-            self._check_point(kv_start + self.kv.check(kv, kv_start), tokens, sampled)
+            length = self._checked(kv, kv_start, tokens, sampled)
         self._free.remove(slot)
         seq = Seq(req_id, traj_key(req_id), list(tokens), list(sampled), params, slot)
         seq.n_sampled = sum(sampled)
@@ -190,22 +190,25 @@ class Engine:
             self._feed_block(seq, seq.tokens[:kv_start])
             tensors = kv() if deferred else kv
             if tensors is not None:
-                try:
-                    if deferred:
-                        self._check_point(kv_start + self.kv.check(tensors, kv_start), tokens, sampled)
-                    loaded = self.kv.load(slot, tensors, kv_start)
-                except ValueError:
-                    self.remove(req_id)
-                    raise
-                seq.kv_len = kv_start + loaded
+                if deferred:
+                    try:
+                        length = self._checked(tensors, kv_start, tokens, sampled)
+                    except ValueError:
+                        self.remove(req_id)
+                        raise
+                self.kv.write(slot, tensors, kv_start, length)
+                loaded, seq.kv_len = length, kv_start + length
         self._replay(seq)
         return seq.kv_len - loaded
 
-    @staticmethod
-    def _check_point(kv_len: int, tokens: list[int], sampled: list[bool]) -> None:
-        """A KV may cover the committed tokens up to a decode point only (the next token was sampled)."""
-        if not (kv_len == 0 or (kv_len < len(tokens) and sampled[kv_len])):
-            raise ValueError(f"kv covers {kv_len} tokens: not a decode point of this trajectory")
+    def _checked(self, tensors: dict[str, torch.Tensor], start: int, tokens: list[int], sampled: list[bool]) -> int:
+        """The tokens a KV placed at `start` covers; ValueError unless it fits the cache and ends at a decode
+        point (the next token was sampled)."""
+        length = self.kv.check(tensors, start)
+        end = start + length
+        if not (end == 0 or (end < len(tokens) and sampled[end])):
+            raise ValueError(f"kv covers {end} tokens: not a decode point of this trajectory")
+        return length
 
     def _replay(self, seq: Seq) -> None:
         """Rebuild the KV of committed tokens up to the last decode point (pending tokens stay pending)."""

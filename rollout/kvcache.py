@@ -76,11 +76,8 @@ class SlotKV:
             raise ValueError(f"kv snapshot holds {len(tensors)} tensors, model has {2 * len(self.k)}")
         return int(length or 0)
 
-    def load(self, slot: int, tensors: dict[str, torch.Tensor], start: int = 0) -> int:
-        """Copy exported tensors into `slot` from position `start` on; returns the length they cover. Raises
-        ValueError on a shape mismatch, before anything is copied."""
-        length = self.check(tensors, start)
+    def write(self, slot: int, tensors: dict[str, torch.Tensor], start: int, length: int) -> None:
+        """Copy tensors that `check` passed (covering `length` tokens) into `slot` from position `start` on."""
         for i, (k, v) in enumerate(zip(self.k, self.v)):
             k[slot, :, start:start + length] = tensors[f"k.{i}"].to(k.device)
             v[slot, :, start:start + length] = tensors[f"v.{i}"].to(v.device)
-        return length

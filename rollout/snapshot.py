@@ -81,19 +81,23 @@ def _ordered(tensors: dict) -> list[tuple[str, tuple]]:
     return sorted(tensors.items(), key=lambda item: item[1][2][0])
 
 
-def pieces(tensors: dict, block_tokens: int, start: int = 0) -> list[tuple[int, int, int]]:
-    """(checksum index, begin, end) in the payload of every piece holding tokens from `start` on: for each
-    tensor [H, T, D] in payload order, each head, each block of `block_tokens` tokens."""
-    out, k = [], 0
-    for _, (code, (H, T, D), (a, _)) in _ordered(tensors):
+def _head_pieces(tensors: dict, block_tokens: int, start: int = 0):
+    """For each tensor [H, T, D] in payload order and each head: (tensor name, head, [(checksum index, begin,
+    end) in the payload of each block of `block_tokens` tokens holding tokens from `start` on])."""
+    k = 0
+    for name, (code, (H, T, D), (a, _)) in _ordered(tensors):
         row, blocks = D * _ITEMSIZE[code], -(-T // block_tokens)
         for h in range(H):
             base = a + h * T * row
-            for j in range(blocks):
-                if (j + 1) * block_tokens > start:
-                    out.append((k + j, base + j * block_tokens * row, base + min(T, (j + 1) * block_tokens) * row))
+            yield name, h, [(k + j, base + j * block_tokens * row, base + min(T, (j + 1) * block_tokens) * row)
+                            for j in range(start // block_tokens, blocks)]
             k += blocks
-    return out
+
+
+def pieces(tensors: dict, block_tokens: int, start: int = 0) -> list[tuple[int, int, int]]:
+    """(checksum index, begin, end) in the payload of every piece holding tokens from `start` on: for each
+    tensor [H, T, D] in payload order, each head, each block of `block_tokens` tokens."""
+    return [p for _, _, run in _head_pieces(tensors, block_tokens, start) for p in run]
 
 
 def _piece_crcs(payload, tensors: dict, block_tokens: int) -> list[int]:
@@ -242,24 +246,16 @@ def _tail_layout(h: SnapshotHeader, start: int) -> tuple[dict, int]:
 def _read_requests(h: SnapshotHeader, start: int, layout: dict) -> list[tuple[int, int, int, list]]:
     """(file offset, buffer offset, length, [(checksum index, begin, end) in the buffer]) of each read
     request: runs of whole pieces of one head, at most READ_BYTES (or one piece) each."""
-    got = {}  # (tensor, head) -> its pieces from `start` on, in order
-    by_range = {(a, b): k for k, a, b in pieces(h.tensors, h.block_tokens, start)}
     reqs = []
-    for name, (code, (H, T, D), (a, _)) in _ordered(h.tensors):
-        row, (_, _, (ta, _)) = D * _ITEMSIZE[code], layout[name]
+    for name, hh, blocks in _head_pieces(h.tensors, h.block_tokens, start):
+        code, (_, T, D), _ = h.tensors[name]
+        row, (_, (_, tail, _), (ta, _)) = D * _ITEMSIZE[code], layout[name]
         per = max(1, READ_BYTES // (h.block_tokens * row))  # pieces per request
-        for hh in range(H):
-            first = a + (hh * T + start) * row  # payload offset of the head's first token read
-            dst = ta + hh * (T - start) * row
-            blocks = [(by_range[(x, y)], x, y) for x, y in
-                      ((a + (hh * T + t) * row, a + (hh * T + min(T, t + h.block_tokens)) * row)
-                       for t in range(start, T, h.block_tokens))]
-            got[(name, hh)] = blocks
-            for r in range(0, len(blocks), per):
-                run = blocks[r:r + per]
-                lo, hi = run[0][1], run[-1][2]
-                reqs.append((h.payload_offset + lo, dst + lo - first, hi - lo,
-                             [(k, dst + x - first, dst + y - first) for k, x, y in run]))
+        shift = ta + hh * tail * row - blocks[0][1] if blocks else 0  # payload offset -> buffer offset
+        for r in range(0, len(blocks), per):
+            run = blocks[r:r + per]
+            lo, hi = run[0][1], run[-1][2]
+            reqs.append((h.payload_offset + lo, lo + shift, hi - lo, [(k, x + shift, y + shift) for k, x, y in run]))
     return reqs
 
 
