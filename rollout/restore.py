@@ -15,7 +15,7 @@ the same worker) reads whole: it reads at memory speed, and beside a prefill it 
 (a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks, a
 strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
 read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a
-split resume of 256 tokens took 2.7x a whole read).
+split resume of 256 tokens took 2.9x a whole read: 2.1 against 0.7 ms).
 """
 from __future__ import annotations
 
