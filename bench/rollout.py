@@ -134,15 +134,24 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
     store.put("r", encode("r", tokens[:covered], kv, eng.version, eng.fingerprint))
     del kv
     eng.remove("r")
+    from rollout import snapshot
+
     split, whole = restore.SplitPolicy(), restore.SplitPolicy(enabled=False)
-    t: dict[str, list[float]] = {k: [] for k in ("split_cold", "split_warm", "whole_cold", "whole_warm", "reprefill", "disk")}
+    # the split with the Python readers too, where the C reader is built: what reading without the GIL gives
+    split_py = restore.SplitPolicy() if snapshot._kvread is not None else None
+    t: dict[str, list[float]] = {k: [] for k in ("split_cold", "split_warm", "whole_cold", "whole_warm", "reprefill", "disk",
+                                                 "split_py_cold", "split_py_warm")}
     heads: list[int] = []
 
     def timed(policy) -> float:
         _sync(device)
+        snapshot.READER = "python" if policy is split_py else "c"
         t0 = time.perf_counter()
-        r = restore.resume(eng, store, policy, "r", tokens, sampled, params)
-        _sync(device)
+        try:
+            r = restore.resume(eng, store, policy, "r", tokens, sampled, params)
+            _sync(device)
+        finally:
+            snapshot.READER = "c"
         dt = time.perf_counter() - t0
         if r.rejected or r.kv_tokens + r.head_tokens != covered:
             raise RuntimeError(f"resume did not restore the snapshot: {r}")
@@ -154,7 +163,8 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
     for i in range(reps):
         drop_page_cache(store_dir)
         t["disk"].append(_read_cold_s(store.path("r")))
-        for name, policy in ((("split", split), ("whole", whole)) if i % 2 == 0 else (("whole", whole), ("split", split))):
+        order = [("split", split), ("whole", whole)] + ([("split_py", split_py)] if split_py is not None else [])
+        for name, policy in order[i % len(order):] + order[:i % len(order)]:  # each goes first in turn
             drop_page_cache(store_dir)
             t[f"{name}_cold"].append(timed(policy))
             t[f"{name}_warm"].append(timed(policy))
@@ -177,6 +187,9 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
             "ratio_whole_cold_median": med(t["reprefill"]) / med(t["whole_cold"]),
             "kv_restore_cold_s_all": t["split_cold"], "whole_restore_cold_s_all": t["whole_cold"],
             "reprefill_s_all": t["reprefill"],
+            "kv_reader": "c" if split_py is not None else "python",
+            "split_python_readers_cold_s_median": med(t["split_py_cold"]) if split_py else None,
+            "split_python_readers_warm_s_median": med(t["split_py_warm"]) if split_py else None,
             "disk_read_cold_s_median": med(t["disk"]), "reprefill_vs_disk_read_cold": med(t["reprefill"]) / med(t["disk"]),
             "disk_read_cold_gb_s": snap_mb * 2**20 / med(t["disk"]) / 1e9}
 

@@ -26,11 +26,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
+import numpy as np
 import torch
 from safetensors.torch import save as st_save
 
 from core import fileio
 from core.atomic import write_atomic
+
+try:  # the checked read in C (rollout/_kvread.c), built by `pip install` where a compiler is
+    from rollout import _kvread
+except ImportError:  # pragma: no cover - the Python readers below do the same
+    _kvread = None
+READER = "c"  # "python": the pool of Python threads even where the C reader is built (tests, bench A/B)
 
 FORMAT = "postrain-kv-4"  # 3: the tensor index is checksummed; 4: one checksum per head and token block
 BLOCK_TOKENS = 1024  # tokens per checksummed piece: the granularity of a partial read
@@ -259,9 +266,17 @@ def _read_requests(h: SnapshotHeader, start: int, layout: dict) -> list[tuple[in
     return reqs
 
 
-def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int) -> bool:
+def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int, nice: int = 0) -> bool:
     """Run the read requests into `dst`, up to `threads` at a time, each checksumming its pieces as it
-    lands. False on a short read or a checksum mismatch."""
+    lands. False on a short read or a checksum mismatch. In C where the module is built (`_kvread`: the
+    readers hold no GIL and run at `nice`), else on a pool of Python threads (the same reads and checks)."""
+    if _kvread is not None and READER == "c":
+        counts = [len(cs) for *_, cs in reqs]
+        ends = np.cumsum(counts, dtype=np.int64)
+        packed = np.array([(off, at, n, e - c, e) for (off, at, n, _), c, e in zip(reqs, counts, ends)], np.int64)
+        checks = np.array([(a, b, h.checksums[k]) for *_, cs in reqs for k, a, b in cs], np.int64)
+        return _kvread.read_checked(fd, memoryview(dst).cast("B"), packed.tobytes(), checks.tobytes(), threads,
+                                    nice) == 0
 
     def one(req) -> bool:
         off, at, n, checks = req
@@ -324,10 +339,12 @@ class SnapshotFile:
         reads at memory speed, a cold one at the disk's."""
         return self._cached
 
-    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
+    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32, nice: int = 0
+             ) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
         in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
-        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch."""
+        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch. `nice`: the C
+        readers' priority (a read beside a prefill yields the CPU to the thread launching it)."""
         h = self.header
         if start < 0 or start % h.block_tokens or (start and start >= h.token_count):
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
@@ -336,12 +353,12 @@ class SnapshotFile:
         device = torch.device(device)
         if device.type != "cuda":
             host = torch.empty(nbytes, dtype=torch.uint8)
-            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
+            if not _read_checked(self.fd, host.numpy(), h, reqs, threads, nice):
                 raise SnapshotRejected("corrupt", "checksum mismatch")
             return _views(host, layout)
         with _staging_lock:
             host = _staging_buffer(nbytes)
-            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
+            if not _read_checked(self.fd, host.numpy(), h, reqs, threads, nice):
                 raise SnapshotRejected("corrupt", "checksum mismatch")
             return _views(_upload(host, device), layout)
 
@@ -408,7 +425,8 @@ class _Decoded:
     def cached(self) -> bool:
         return True
 
-    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
+    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32, nice: int = 0
+             ) -> dict[str, torch.Tensor]:
         return {k: v[:, start:].to(device) for k, v in self._kv.items()}
 
     def close(self) -> None:

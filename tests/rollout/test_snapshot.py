@@ -31,6 +31,16 @@ def test_mem_fs_store():
     assert store.get("a") == b"xyz" and store.delete("a") and store.get("a") is None
 
 
+@pytest.fixture(params=["c", "python"])
+def reader(request, monkeypatch):
+    """Both checked readers: the C one (rollout/_kvread.c) and the pool of Python threads."""
+    import rollout.snapshot as snap
+    if request.param == "c" and snap._kvread is None:
+        pytest.skip("rollout._kvread is not built (no compiler at install)")
+    monkeypatch.setattr(snap, "READER", request.param)
+    return request.param
+
+
 def _blocked(monkeypatch, block: int, read_bytes: int):
     import rollout.snapshot as snap
     monkeypatch.setattr(snap, "BLOCK_TOKENS", block)
@@ -39,7 +49,7 @@ def _blocked(monkeypatch, block: int, read_bytes: int):
 
 
 @pytest.mark.parametrize("read_bytes", [1 << 20, 100])  # several pieces per request; one each
-def test_pieces_and_a_flip_in_any_piece(tmp_path, monkeypatch, read_bytes):
+def test_pieces_and_a_flip_in_any_piece(tmp_path, monkeypatch, read_bytes, reader):
     snap = _blocked(monkeypatch, 6, read_bytes)  # 20 tokens: blocks of 6, 6, 6, 2
     kv = _kv()
     data = encode("t", TOK, kv, 0, "fp")
@@ -63,7 +73,7 @@ def test_pieces_and_a_flip_in_any_piece(tmp_path, monkeypatch, read_bytes):
 
 @pytest.mark.parametrize("read_bytes", [1 << 20, 100])
 @pytest.mark.parametrize("uri", ["local", "pyarrow"])
-def test_a_read_from_a_block_holds_the_kv_of_the_tokens_from_there(tmp_path, monkeypatch, read_bytes, uri):
+def test_a_read_from_a_block_holds_the_kv_of_the_tokens_from_there(tmp_path, monkeypatch, read_bytes, uri, reader):
     snap = _blocked(monkeypatch, 6, read_bytes)
     kv = _kv()
     store = SnapshotStore(tmp_path / "kv" if uri == "local" else f"file://{tmp_path}/kv")
@@ -81,7 +91,7 @@ def test_a_read_from_a_block_holds_the_kv_of_the_tokens_from_there(tmp_path, mon
         f.close()
 
 
-def test_a_flip_in_a_piece_not_read_is_never_seen_and_never_used(tmp_path, monkeypatch):
+def test_a_flip_in_a_piece_not_read_is_never_seen_and_never_used(tmp_path, monkeypatch, reader):
     """A read from a block checks exactly the pieces it returns: damage before the block is neither reported
     nor part of what comes back; damage from the block on is rejected."""
     snap = _blocked(monkeypatch, 6, 1 << 20)
@@ -107,6 +117,48 @@ def test_a_flip_in_a_piece_not_read_is_never_seen_and_never_used(tmp_path, monke
                         assert all(torch.equal(got[k], kv[k][:, 12:]) for k in kv)
                 finally:
                     f.close()
+
+
+def test_the_c_reader_checksums_as_crc32c_and_refuses_requests_outside_its_buffer(tmp_path):
+    import os
+
+    import crc32c
+
+    import rollout.snapshot as snap
+    if snap._kvread is None:
+        pytest.skip("rollout._kvread is not built (no compiler at install)")
+    kvr = snap._kvread
+    data = os.urandom(5000)
+    for n in (0, 1, 7, 8, 9, 64, 1001, 4096):
+        for off in (0, 1, 3):
+            want = crc32c.crc32c(data[off:off + n])
+            assert kvr.crc32c(data[off:off + n]) == want and kvr.crc32c(data[off:off + n], True) == want
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def run(reqs, checks, size=5000, threads=4):
+            buf = bytearray(size)
+            r = kvr.read_checked(fd, buf, snap.np.array(reqs, snap.np.int64).tobytes(),
+                                 snap.np.array(checks, snap.np.int64).tobytes(), threads, 5)
+            return r, bytes(buf)
+
+        reqs = [(0, 0, 2000, 0, 1), (2000, 2000, 3000, 1, 3)]
+        checks = [(0, 2000, crc32c.crc32c(data[:2000])), (2000, 2500, crc32c.crc32c(data[2000:2500])),
+                  (2500, 5000, crc32c.crc32c(data[2500:]))]
+        assert run(reqs, checks) == (0, data)
+        assert run(reqs, checks[:2] + [(2500, 5000, 1)])[0] == 2  # a wrong checksum
+        assert run([(4000, 0, 2000, 0, 0)], [])[0] == 1  # past the end of the file: short
+        for bad_reqs, bad_checks in (([(0, 4000, 2000, 0, 0)], []),  # past the buffer
+                                     ([(0, -1, 10, 0, 0)], []),
+                                     ([(0, 0, 10, 0, 2)], [(0, 10, 0)]),  # more checks than given
+                                     ([(0, 0, 10, 0, 1)], [(0, 11, 0)])):  # a check outside its request
+            with pytest.raises(ValueError):
+                run(bad_reqs, bad_checks)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError):
+        kvr.read_checked(fd, bytearray(10), snap.np.array([(0, 0, 10, 0, 0)], snap.np.int64).tobytes(), b"", 1, 0)
 
 
 def test_cached_tells_a_snapshot_in_the_page_cache(tmp_path):
@@ -135,7 +187,7 @@ def test_cached_tells_a_snapshot_in_the_page_cache(tmp_path):
     ("missing", "missing"), ("flip", "corrupt"), ("truncate", "corrupt"), ("other_traj", "mismatch"),
     ("wal_diverges", "mismatch"), ("old_version", "stale"), ("other_model", "stale"), ("dtype", "mismatch"),
 ])
-def test_bad_snapshots_are_rejected(tmp_path, case, reason):
+def test_bad_snapshots_are_rejected(tmp_path, case, reason, reader):
     data = encode("t", TOK, _kv(), 3, "fp")
     traj, wal, version, fp, dtype = "t", TOK, 3, "fp", torch.float32
     if case == "missing":
