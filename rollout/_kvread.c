@@ -3,10 +3,9 @@
  *
  * A resume reads a snapshot's tail while its head is prefilled on the same process's main thread. Python
  * readers take the GIL back after every pread and checksum, and the main thread launching the prefill's
- * kernels waits for it; here the readers never touch Python objects, and may run at a lower priority
- * (`nice`), so the thread feeding the accelerator keeps its core.
+ * kernels waits for it; here the readers never touch Python objects.
  *
- * read_checked(fd, buffer, requests, checks, threads, nice) -> 0 ok, 1 short file, 2 checksum mismatch;
+ * read_checked(fd, buffer, requests, checks, threads) -> 0 ok, 1 short file, 2 checksum mismatch;
  * OSError on a failed read.
  *   requests: packed int64 (file offset, buffer offset, length, first check, end check) per request
  *   checks:   packed int64 (begin, end, crc32c) per piece, as buffer offsets
@@ -17,8 +16,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 static uint32_t table[8][256];
@@ -78,7 +76,7 @@ static uint32_t crc32c(const uint8_t *p, size_t n) {
 }
 
 typedef struct {
-    int fd, nice;
+    int fd;
     uint8_t *buf;
     const int64_t *reqs, *checks;
     Py_ssize_t nreqs;
@@ -94,7 +92,6 @@ static void fail(job_t *j, int status, int err) {
 
 static void *worker(void *arg) {
     job_t *j = arg;
-    if (j->nice > 0) setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), j->nice);  /* this thread only */
     for (;;) {
         Py_ssize_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (i >= j->nreqs || __atomic_load_n(&j->status, __ATOMIC_RELAXED)) return NULL;
@@ -116,9 +113,9 @@ static void *worker(void *arg) {
 }
 
 static PyObject *read_checked(PyObject *self, PyObject *args) {
-    int fd, threads, nice;
+    int fd, threads;
     Py_buffer buf, rq, ck;
-    if (!PyArg_ParseTuple(args, "iw*y*y*ii", &fd, &buf, &rq, &ck, &threads, &nice)) return NULL;
+    if (!PyArg_ParseTuple(args, "iw*y*y*i", &fd, &buf, &rq, &ck, &threads)) return NULL;
     PyObject *out = NULL;
     Py_ssize_t nreqs = rq.len / 40, nchecks = ck.len / 24;
     const int64_t *reqs = rq.buf, *checks = ck.buf;
@@ -141,7 +138,7 @@ static PyObject *read_checked(PyObject *self, PyObject *args) {
             }
         }
     }
-    job_t j = {fd, nice, buf.buf, reqs, checks, nreqs, 0, 0, 0};
+    job_t j = {fd, buf.buf, reqs, checks, nreqs, 0, 0, 0};
     if (threads < 1) threads = 1;
     if (threads > nreqs) threads = nreqs > 0 ? (int)nreqs : 1;
     pthread_t tids[256];
@@ -178,7 +175,38 @@ static PyObject *crc(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* resident(fd, size) -> pages of the file's first `size` bytes in the page cache, and how many there are:
+ * mincore over a mapping that is never touched, so asking reads nothing in. */
+static PyObject *resident(PyObject *self, PyObject *args) {
+    int fd;
+    long long size;
+    if (!PyArg_ParseTuple(args, "iL", &fd, &size)) return NULL;
+    if (size <= 0) return Py_BuildValue("(LL)", 0LL, 0LL);
+    long page = sysconf(_SC_PAGESIZE);
+    size_t pages = (size_t)((size + page - 1) / page);
+    unsigned char *vec = PyMem_RawMalloc(pages);
+    if (!vec) return PyErr_NoMemory();
+    long long in = 0;
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    void *map = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0);
+    if (map == MAP_FAILED) err = errno;
+    else {
+        if (mincore(map, (size_t)size, vec)) err = errno;
+        else for (size_t i = 0; i < pages; i++) in += vec[i] & 1;
+        munmap(map, (size_t)size);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(vec);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(LL)", in, (long long)pages);
+}
+
 static PyMethodDef methods[] = {
+    {"resident", resident, METH_VARARGS, "resident(fd, size) -> (pages in the page cache, pages)."},
     {"read_checked", read_checked, METH_VARARGS, "Read and check a snapshot's requests on threads of their own."},
     {"crc32c", crc, METH_VARARGS, "crc32c(buffer, software=False): CRC-32C as the reader computes it (tests)."},
     {NULL, NULL, 0, NULL}};

@@ -76,7 +76,6 @@ class SplitPolicy:
 
 
 _tail_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tail")
-TAIL_NICE = 10  # the tail's readers yield the CPU to the thread launching the head's prefill
 SPLIT_ON_CPU = False  # split also when the engine runs on the CPU (tests do, to cover the split on any machine)
 
 
@@ -88,7 +87,7 @@ def _sync(device) -> None:
 
 def _timed_read(f, start: int, device, threads: int):
     t = time.perf_counter()
-    kv = f.read(start, device, threads, nice=TAIL_NICE)
+    kv = f.read(start, device, threads)
     return kv, time.perf_counter() - t
 
 

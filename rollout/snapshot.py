@@ -266,17 +266,18 @@ def _read_requests(h: SnapshotHeader, start: int, layout: dict) -> list[tuple[in
     return reqs
 
 
-def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int, nice: int = 0) -> bool:
+def _read_checked(fd: int, dst, h: SnapshotHeader, reqs: list, threads: int) -> bool:
     """Run the read requests into `dst`, up to `threads` at a time, each checksumming its pieces as it
     lands. False on a short read or a checksum mismatch. In C where the module is built (`_kvread`: the
-    readers hold no GIL and run at `nice`), else on a pool of Python threads (the same reads and checks)."""
+    readers never take the GIL, so a prefill launched beside them is not kept waiting for it), else on a
+    pool of Python threads (the same reads and checks)."""
     if _kvread is not None and READER == "c":
         counts = [len(cs) for *_, cs in reqs]
         ends = np.cumsum(counts, dtype=np.int64)
         packed = np.array([(off, at, n, e - c, e) for (off, at, n, _), c, e in zip(reqs, counts, ends)], np.int64)
         checks = np.array([(a, b, h.checksums[k]) for *_, cs in reqs for k, a, b in cs], np.int64)
-        return _kvread.read_checked(fd, memoryview(dst).cast("B"), packed.tobytes(), checks.tobytes(), threads,
-                                    nice) == 0
+        return _kvread.read_checked(fd, memoryview(dst).cast("B"), packed.tobytes(), checks.tobytes(),
+                                    threads) == 0
 
     def one(req) -> bool:
         off, at, n, checks = req
@@ -334,17 +335,15 @@ class SnapshotFile:
         return self.header.block_tokens
 
     def cached(self) -> bool:
-        """Whether the file's last page was in the page cache when it was opened, before its header was read
-        (a read that would have blocked says no): a snapshot written or read on this machine moments ago
-        reads at memory speed, a cold one at the disk's."""
+        """Whether the file was in the page cache when it was opened, before its header was read
+        (`_in_page_cache`): a snapshot written or read whole on this machine moments ago reads at memory
+        speed; a cold one, or one whose tails alone a split resume read, at the disk's."""
         return self._cached
 
-    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32, nice: int = 0
-             ) -> dict[str, torch.Tensor]:
+    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
         in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
-        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch. `nice`: the C
-        readers' priority (a read beside a prefill yields the CPU to the thread launching it)."""
+        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch."""
         h = self.header
         if start < 0 or start % h.block_tokens or (start and start >= h.token_count):
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
@@ -353,12 +352,12 @@ class SnapshotFile:
         device = torch.device(device)
         if device.type != "cuda":
             host = torch.empty(nbytes, dtype=torch.uint8)
-            if not _read_checked(self.fd, host.numpy(), h, reqs, threads, nice):
+            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
                 raise SnapshotRejected("corrupt", "checksum mismatch")
             return _views(host, layout)
         with _staging_lock:
             host = _staging_buffer(nbytes)
-            if not _read_checked(self.fd, host.numpy(), h, reqs, threads, nice):
+            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
                 raise SnapshotRejected("corrupt", "checksum mismatch")
             return _views(_upload(host, device), layout)
 
@@ -368,9 +367,22 @@ class SnapshotFile:
             self.fd = -1
 
 
+CACHED_FRACTION = 0.9  # of a snapshot's pages in the page cache: read at memory speed (`SnapshotFile.cached`)
+
+
 def _in_page_cache(fd: int, size: int) -> bool:
-    """Whether the last byte of the file reads without blocking (`RWF_NOWAIT`; False where unsupported)."""
-    if size == 0 or not hasattr(os, "RWF_NOWAIT"):
+    """Whether the file is in the page cache: at least CACHED_FRACTION of its pages (`mincore`, through the C
+    reader's module), else, without it, whether its last byte reads without blocking (`RWF_NOWAIT`; False
+    where unsupported). Asked before anything of the file is read."""
+    if size == 0:
+        return False
+    if _kvread is not None:
+        try:
+            resident, pages = _kvread.resident(fd, size)
+            return resident >= CACHED_FRACTION * pages
+        except OSError:
+            pass
+    if not hasattr(os, "RWF_NOWAIT"):
         return False
     try:
         return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
@@ -425,8 +437,7 @@ class _Decoded:
     def cached(self) -> bool:
         return True
 
-    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32, nice: int = 0
-             ) -> dict[str, torch.Tensor]:
+    def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         return {k: v[:, start:].to(device) for k, v in self._kv.items()}
 
     def close(self) -> None:
