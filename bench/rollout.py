@@ -115,7 +115,8 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
     makes it (`rollout.restore.resume`: the head re-prefilled while the tail is read, split where the rates
     this process measured say both take as long; its first resume, with nothing measured, splits in the
     middle), the whole snapshot read (no split), and re-prefill of the same tokens. Restores are timed
-    cold (the snapshot's pages evicted first, as after a restart elsewhere) and warm (just read); one
+    cold (the snapshot's pages evicted first, as after a restart elsewhere) and warm (just resumed: a split
+    resume leaves only the tails in the page cache, so the next one splits again); one
     split policy for all rounds of a context, as one worker keeps its own; medians of `reps`."""
     from bench._device import drop_page_cache
     from rollout import restore

@@ -10,7 +10,9 @@ the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the
 
 The split point comes from rates this process has measured (`SplitPolicy`): seconds per re-prefilled
 token and seconds per byte read cold. Until both are known the first resume splits in the middle, which
-measures both. A snapshot in the page cache (written or read here moments ago: a preemption resumed by
+measures both. A snapshot partly in the page cache (a split resume read its tails) splits like a cold one,
+but its read teaches no rate: it is neither a cold read nor a warm one (taken for cold, such reads of
+cached tails halved the cold rate on an H100 host, and the next cold resumes split too early). A snapshot in the page cache (written or read here moments ago: a preemption resumed by
 the same worker) reads whole: it reads at memory speed, and beside a prefill it read slower than alone
 (a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks, a
 strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
@@ -103,6 +105,7 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
     try:
         n, per_token = f.token_count, f.bytes_per_token
         cached = f.cached()
+        measured = cached or f.cold()  # a partly cached file reads at neither rate: its time teaches neither
         on_cpu = torch.device(eng.device).type == "cpu" and not SPLIT_ON_CPU
         start = 0 if eng.strict or on_cpu else policy.start(n, f.block_tokens, per_token, cached)
         rejected: list[str] = []
@@ -112,7 +115,8 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
                 kv = f.read(0, eng.device, threads)
             except SnapshotRejected as exc:
                 return Resumed(eng.add(traj, tokens, sampled, params), 0, 0, exc.reason)
-            policy.observe_read(n * per_token, time.perf_counter() - t0, cached)
+            if measured:
+                policy.observe_read(n * per_token, time.perf_counter() - t0, cached)
         else:
             future = _tail_reader.submit(_timed_read, f, start, eng.device, threads)
 
@@ -124,7 +128,8 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
                 except SnapshotRejected as exc:
                     rejected.append(exc.reason)
                     return None
-                policy.observe_read((n - start) * per_token, seconds, cached)
+                if measured:
+                    policy.observe_read((n - start) * per_token, seconds, cached)
                 return tail
         try:
             prefilled = eng.add(traj, tokens, sampled, params, kv=kv, kv_start=start)

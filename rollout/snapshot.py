@@ -322,8 +322,8 @@ class SnapshotFile:
     """An open local snapshot whose header is validated: `read(start)` reads and checks the KV of the tokens
     from `start` (a multiple of `block_tokens`) on."""
 
-    def __init__(self, fd: int, header: SnapshotHeader, cached: bool):
-        self.fd, self.header, self._cached = fd, header, cached
+    def __init__(self, fd: int, header: SnapshotHeader, resident: float):
+        self.fd, self.header, self.resident = fd, header, resident  # the fraction in the page cache at open
         self.bytes_per_token = sum(H * D * _ITEMSIZE[code] for code, (H, _, D), _ in header.tensors.values())
 
     @property
@@ -335,10 +335,15 @@ class SnapshotFile:
         return self.header.block_tokens
 
     def cached(self) -> bool:
-        """Whether the file was in the page cache when it was opened, before its header was read
-        (`_in_page_cache`): a snapshot written or read whole on this machine moments ago reads at memory
-        speed; a cold one, or one whose tails alone a split resume read, at the disk's."""
-        return self._cached
+        """Whether the file was in the page cache when it was opened, before its header was read (at least
+        CACHED_FRACTION of its pages): a snapshot written or read whole on this machine moments ago reads at
+        memory speed."""
+        return self.resident >= CACHED_FRACTION
+
+    def cold(self) -> bool:
+        """Whether at most COLD_FRACTION of it was: it reads at the disk's speed. A snapshot neither cached
+        nor cold (a split resume read its tails only) reads at neither."""
+        return self.resident <= COLD_FRACTION
 
     def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
@@ -368,26 +373,27 @@ class SnapshotFile:
 
 
 CACHED_FRACTION = 0.9  # of a snapshot's pages in the page cache: read at memory speed (`SnapshotFile.cached`)
+COLD_FRACTION = 0.1  # at most this much: read at the disk's speed (`SnapshotFile.cold`)
 
 
-def _in_page_cache(fd: int, size: int) -> bool:
-    """Whether the file is in the page cache: at least CACHED_FRACTION of its pages (`mincore`, through the C
-    reader's module), else, without it, whether its last byte reads without blocking (`RWF_NOWAIT`; False
-    where unsupported). Asked before anything of the file is read."""
+def _resident_fraction(fd: int, size: int) -> float:
+    """The fraction of the file's pages in the page cache (`mincore`, through the C reader's module), or,
+    without it, 1.0 or 0.0 by whether its last byte reads without blocking (`RWF_NOWAIT`; 0.0 where
+    unsupported). Asked before anything of the file is read."""
     if size == 0:
-        return False
+        return 0.0
     if _kvread is not None:
         try:
             resident, pages = _kvread.resident(fd, size)
-            return resident >= CACHED_FRACTION * pages
+            return resident / pages
         except OSError:
             pass
     if not hasattr(os, "RWF_NOWAIT"):
-        return False
+        return 0.0
     try:
-        return os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1
+        return float(os.preadv(fd, [bytearray(1)], size - 1, os.RWF_NOWAIT) == 1)
     except OSError:
-        return False
+        return 0.0
 
 
 def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
@@ -400,7 +406,7 @@ def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
         raise SnapshotRejected("missing", f"no snapshot for {traj_id}") from None
     try:
         size = os.fstat(fd).st_size
-        cached = _in_page_cache(fd, size)
+        resident = _resident_fraction(fd, size)
         head8 = os.pread(fd, 8, 0)
         if len(head8) < 8:
             raise SnapshotRejected("corrupt", "truncated before the header")
@@ -409,7 +415,7 @@ def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
             raise SnapshotRejected("corrupt", f"header of {n} bytes in a file of {size}")
         h = _parse_header(os.pread(fd, n, 8), n)
         validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, size - h.payload_offset)
-        return SnapshotFile(fd, h, cached)
+        return SnapshotFile(fd, h, resident)
     except BaseException:
         os.close(fd)
         raise
@@ -434,8 +440,13 @@ class _Decoded:
         self.bytes_per_token = sum(t.shape[0] * t.shape[2] * t.element_size() for t in kv.values())
         self.token_count, self.block_tokens = header.token_count, header.block_tokens
 
+    resident = 1.0  # in memory
+
     def cached(self) -> bool:
         return True
+
+    def cold(self) -> bool:
+        return False
 
     def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         return {k: v[:, start:].to(device) for k, v in self._kv.items()}

@@ -116,8 +116,24 @@ def test_a_cold_snapshot_splits_with_the_default_policy(tiny_policy, tmp_path, b
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # fsynced when written: the pages can go
     os.close(fd)
     eng = Engine(model, tok, seed=3, max_batch=2)
-    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    policy = restore.SplitPolicy()
+    r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
     assert r.head_tokens > 0 and r.kv_tokens == covered - r.head_tokens and _run(eng, "r") == want
+    assert policy.read_s_per_byte[False] is not None  # a cold read teaches the cold rate
+
+
+def test_a_partly_cached_snapshot_splits_and_teaches_no_rate(tiny_policy, tmp_path, blocks, monkeypatch):
+    """Half its pages in the page cache (what a split resume leaves): not cached, so it splits, but its read
+    is neither a cold nor a warm one, and the rates stay as they were."""
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    monkeypatch.setattr(snap, "_resident_fraction", lambda fd, size: 0.5)
+    policy = restore.SplitPolicy()
+    policy.observe_read(1000, 0.001, cached=False)
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
+    assert r.head_tokens > 0 and r.kv_tokens == covered - r.head_tokens and _run(eng, "r") == want
+    assert policy.read_s_per_byte == {False: 1e-6, True: None} and policy.prefill_s_per_token is not None
 
 
 def test_a_kv_that_does_not_fit_and_a_missing_snapshot_fall_back(tiny_policy, tmp_path, blocks):
