@@ -88,9 +88,9 @@ def _sync(device) -> None:
 
 
 def _timed_read(f, start: int, device, threads: int):
-    t = time.perf_counter()
+    """The tail's KV and the seconds its reads took (not its upload, which waits for the head's prefill)."""
     kv = f.read(start, device, threads)
-    return kv, time.perf_counter() - t
+    return kv, f.read_s
 
 
 def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: list[int], sampled: list[bool],
@@ -116,7 +116,7 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
             except SnapshotRejected as exc:
                 return Resumed(eng.add(traj, tokens, sampled, params), 0, 0, exc.reason)
             if measured:
-                policy.observe_read(n * per_token, time.perf_counter() - t0, cached)
+                policy.observe_read(n * per_token, f.read_s, cached)
         else:
             future = _tail_reader.submit(_timed_read, f, start, eng.device, threads)
 

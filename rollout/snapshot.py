@@ -21,6 +21,7 @@ import json
 import os
 import struct
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,6 +325,7 @@ class SnapshotFile:
 
     def __init__(self, fd: int, header: SnapshotHeader, resident: float):
         self.fd, self.header, self.resident = fd, header, resident  # the fraction in the page cache at open
+        self.read_s: float | None = None  # the last read's reads and checks (`read`)
         self.bytes_per_token = sum(H * D * _ITEMSIZE[code] for code, (H, _, D), _ in header.tensors.values())
 
     @property
@@ -348,7 +350,9 @@ class SnapshotFile:
     def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
         in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
-        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch."""
+        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch. `read_s`: the
+        seconds its reads and checks took, without the upload (which waits for the work queued on the
+        device's current stream: beside a split's prefill, for the prefill)."""
         h = self.header
         if start < 0 or start % h.block_tokens or (start and start >= h.token_count):
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
@@ -356,13 +360,19 @@ class SnapshotFile:
         reqs = _read_requests(h, start, layout)
         device = torch.device(device)
         if device.type != "cuda":
+            t = time.perf_counter()
             host = torch.empty(nbytes, dtype=torch.uint8)
-            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
+            ok = _read_checked(self.fd, host.numpy(), h, reqs, threads)
+            self.read_s = time.perf_counter() - t
+            if not ok:
                 raise SnapshotRejected("corrupt", "checksum mismatch")
             return _views(host, layout)
         with _staging_lock:
+            t = time.perf_counter()
             host = _staging_buffer(nbytes)
-            if not _read_checked(self.fd, host.numpy(), h, reqs, threads):
+            ok = _read_checked(self.fd, host.numpy(), h, reqs, threads)
+            self.read_s = time.perf_counter() - t
+            if not ok:
                 raise SnapshotRejected("corrupt", "checksum mismatch")
             return _views(_upload(host, device), layout)
 
@@ -441,6 +451,7 @@ class _Decoded:
         self.token_count, self.block_tokens = header.token_count, header.block_tokens
 
     resident = 1.0  # in memory
+    read_s = 0.0  # fetched whole when opened
 
     def cached(self) -> bool:
         return True

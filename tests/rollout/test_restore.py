@@ -122,6 +122,30 @@ def test_a_cold_snapshot_splits_with_the_default_policy(tiny_policy, tmp_path, b
     assert policy.read_s_per_byte[False] is not None  # a cold read teaches the cold rate
 
 
+def test_the_read_rate_counts_the_reads_not_what_follows_them(tiny_policy, tmp_path, blocks, monkeypatch):
+    """The tail's upload waits for the head's prefill on the engine's stream; the policy's read rate must
+    not count that wait as reading (stood in for here by a pause after the reads)."""
+    import os
+    import time
+
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    views = snap._views
+    monkeypatch.setattr(snap, "_views", lambda buf, layout: (time.sleep(0.2), views(buf, layout))[1])
+    for split in (True, False):
+        fd = os.open(store.path("r"), os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+        policy = restore.SplitPolicy(enabled=split)
+        eng = Engine(model, tok, seed=3, max_batch=2)
+        r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
+        assert (r.head_tokens > 0) == split and _run(eng, "r") == want
+        f = store.open("r", tokens, eng.version, eng.fingerprint, eng.dtype)
+        nbytes = (covered - r.head_tokens) * f.bytes_per_token
+        f.close()
+        assert 0 < policy.read_s_per_byte[False] * nbytes < 0.1
+
+
 def test_a_partly_cached_snapshot_splits_and_teaches_no_rate(tiny_policy, tmp_path, blocks, monkeypatch):
     """Half its pages in the page cache (what a split resume leaves): not cached, so it splits, but its read
     is neither a cold nor a warm one, and the rates stay as they were."""
