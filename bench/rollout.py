@@ -175,6 +175,7 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
         _sync(device)
         t["reprefill"].append(time.perf_counter() - t0)
         eng.remove("r")
+    probe = _fixed_split_probe(eng, store, tokens, sampled, params, covered, device, store_dir, reps)
     snap_mb = len(store.get("r")) / 2**20
     med = statistics.median
     return {"context": ctx, "snapshot_mb": round(snap_mb, 1), "reps": reps,
@@ -188,11 +189,79 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
             "ratio_whole_cold_median": med(t["reprefill"]) / med(t["whole_cold"]),
             "kv_restore_cold_s_all": t["split_cold"], "whole_restore_cold_s_all": t["whole_cold"],
             "reprefill_s_all": t["reprefill"],
+            "fixed_split": probe,
             "kv_reader": "c" if split_py is not None else "python",
             "split_python_readers_cold_s_median": med(t["split_py_cold"]) if split_py else None,
             "split_python_readers_warm_s_median": med(t["split_py_warm"]) if split_py else None,
             "disk_read_cold_s_median": med(t["disk"]), "reprefill_vs_disk_read_cold": med(t["reprefill"]) / med(t["disk"]),
             "disk_read_cold_gb_s": snap_mb * 2**20 / med(t["disk"]) / 1e9}
+
+
+class _FixedSplit:
+    """A split policy that splits at one block boundary whatever it measures (the probe's)."""
+
+    def __init__(self, at: int):
+        from rollout import restore
+
+        self.at, self._learn = at, restore.SplitPolicy()
+
+    def start(self, *_args, **_kw) -> int:
+        return self.at
+
+    def __getattr__(self, name):  # observe_*: measured, never used
+        return getattr(self._learn, name)
+
+
+def _fixed_split_probe(eng, store, tokens, sampled, params, covered, device, store_dir, reps) -> dict | None:
+    """Where a split's time goes: the split at the middle block boundary, with the C readers and with the
+    Python readers, next to the head's prefill alone and the tail's cold read alone (C readers), all
+    cold, rotated, medians of `reps`. A split that overlaps perfectly takes the longer of the last two."""
+    from bench._device import drop_page_cache
+    from rollout import restore, snapshot
+
+    at = covered // 2 // snapshot.BLOCK_TOKENS * snapshot.BLOCK_TOKENS
+    if at == 0 or torch.device(device).type != "cuda" and not restore.SPLIT_ON_CPU:
+        return None  # no split here: a snapshot under two blocks, or the CPU
+    head_sampled = [False] * (at - 4) + [True] * 4
+
+    def split(reader):
+        def run():
+            snapshot.READER = reader
+            try:
+                r = restore.resume(eng, store, _FixedSplit(at), "r", tokens, sampled, params)
+            finally:
+                snapshot.READER = "c"
+            if r.rejected or r.head_tokens != at:
+                raise RuntimeError(f"fixed split did not split at {at}: {r}")
+        return run
+
+    def head():
+        eng.add("h", tokens[:at], head_sampled, params)
+
+    def tail():
+        f = store.open("r", tokens, eng.version, eng.fingerprint, eng.dtype)
+        try:
+            f.read(at, eng.device)
+        finally:
+            f.close()
+
+    runs = {"split_c": split("c"), "head_prefill_alone": head, "tail_read_cold_alone": tail}
+    if snapshot._kvread is not None:
+        runs["split_python"] = split("python")
+    names, t = list(runs), {n: [] for n in runs}
+    for i in range(reps):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            drop_page_cache(store_dir)
+            _sync(device)
+            t0 = time.perf_counter()
+            runs[n]()
+            _sync(device)
+            t[n].append(time.perf_counter() - t0)
+            if n == "head_prefill_alone":
+                eng.remove("h")
+            elif n != "tail_read_cold_alone":
+                eng.remove("r")
+    return {"head_tokens": at, **{f"{n}_s_median": statistics.median(v) for n, v in t.items()}}
 
 
 def _us(seconds_per_unit, unit=1):

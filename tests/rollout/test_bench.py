@@ -25,3 +25,5 @@ def test_bench_quick_writes_targets(tmp_path, monkeypatch):
     assert not [k for k in gpu if k.endswith("_error")] and r["ratio_cold_median"] > 0 and r["ratio_whole_cold_median"] > 0
     assert r["disk_read_cold_s_median"] > 0  # the bare read under the restore
     assert r["split_head_tokens"][0] == 128 and r["split_policy"]["prefill_us_per_token"] > 0
+    probe = r["fixed_split"]  # the split at the middle block, its parts alone beside it
+    assert probe["head_tokens"] == 96 and all(v > 0 for k, v in probe.items() if k.endswith("_s_median"))
