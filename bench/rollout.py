@@ -11,6 +11,7 @@ Qwen2-style config with random weights in bf16, batch 64, prompt 128, 256 new to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -119,7 +120,7 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
     resume leaves only the tails in the page cache, so the next one splits again); one
     split policy for all rounds of a context, as one worker keeps its own; medians of `reps`."""
     from bench._device import drop_page_cache
-    from rollout import restore
+    from rollout import restore, snapshot
     from rollout.engine import Engine
     from rollout.sampling import SamplingParams
     from rollout.snapshot import SnapshotStore, encode
@@ -135,8 +136,6 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
     store.put("r", encode("r", tokens[:covered], kv, eng.version, eng.fingerprint))
     del kv
     eng.remove("r")
-    from rollout import snapshot
-
     split, whole = restore.SplitPolicy(), restore.SplitPolicy(enabled=False)
     # the split with the Python readers too, where the C reader is built: what reading without the GIL gives
     split_py = restore.SplitPolicy() if snapshot._kvread is not None else None
@@ -146,13 +145,10 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
 
     def timed(policy) -> float:
         _sync(device)
-        snapshot.READER = "python" if policy is split_py else "c"
         t0 = time.perf_counter()
-        try:
+        with _reader("python" if policy is split_py else "c"):
             r = restore.resume(eng, store, policy, "r", tokens, sampled, params)
-            _sync(device)
-        finally:
-            snapshot.READER = "c"
+        _sync(device)
         dt = time.perf_counter() - t0
         if r.rejected or r.kv_tokens + r.head_tokens != covered:
             raise RuntimeError(f"resume did not restore the snapshot: {r}")
@@ -197,19 +193,16 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
             "disk_read_cold_gb_s": snap_mb * 2**20 / med(t["disk"]) / 1e9}
 
 
-class _FixedSplit:
-    """A split policy that splits at one block boundary whatever it measures (the probe's)."""
+@contextlib.contextmanager
+def _reader(name: str):
+    """Snapshot reads in this block on the C readers ("c") or the Python thread pool ("python")."""
+    from rollout import snapshot
 
-    def __init__(self, at: int):
-        from rollout import restore
-
-        self.at, self._learn = at, restore.SplitPolicy()
-
-    def start(self, *_args, **_kw) -> int:
-        return self.at
-
-    def __getattr__(self, name):  # observe_*: measured, never used
-        return getattr(self._learn, name)
+    was, snapshot.READER = snapshot.READER, name
+    try:
+        yield
+    finally:
+        snapshot.READER = was
 
 
 def _fixed_split_probe(eng, store, tokens, sampled, params, covered, device, store_dir, reps) -> dict | None:
@@ -224,13 +217,14 @@ def _fixed_split_probe(eng, store, tokens, sampled, params, covered, device, sto
         return None  # no split here: a snapshot under two blocks, or the CPU
     head_sampled = [False] * (at - 4) + [True] * 4
 
+    class Fixed(restore.SplitPolicy):  # splits at `at` whatever it measures
+        def start(self, *_args, **_kw) -> int:
+            return at
+
     def split(reader):
         def run():
-            snapshot.READER = reader
-            try:
-                r = restore.resume(eng, store, _FixedSplit(at), "r", tokens, sampled, params)
-            finally:
-                snapshot.READER = "c"
+            with _reader(reader):
+                r = restore.resume(eng, store, Fixed(), "r", tokens, sampled, params)
             if r.rejected or r.head_tokens != at:
                 raise RuntimeError(f"fixed split did not split at {at}: {r}")
         return run

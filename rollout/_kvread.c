@@ -19,6 +19,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+/* CRC-32C here: the crc32c package the Python readers use has no C interface to call without the GIL.
+ * SSE4.2's instruction where the CPU has it, slice-by-8 tables elsewhere; tests check both against it. */
 static uint32_t table[8][256];
 static int have_hw;
 

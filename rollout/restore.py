@@ -10,10 +10,11 @@ the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the
 
 The split point comes from rates this process has measured (`SplitPolicy`): seconds per re-prefilled
 token and seconds per byte read cold. Until both are known the first resume splits in the middle, which
-measures both. A snapshot partly in the page cache (a split resume read its tails) splits like a cold one,
-but its read teaches no rate: it is neither a cold read nor a warm one (taken for cold, such reads of
-cached tails halved the cold rate on an H100 host, and the next cold resumes split too early). A snapshot in the page cache (written or read here moments ago: a preemption resumed by
-the same worker) reads whole: it reads at memory speed, and beside a prefill it read slower than alone
+measures both. A snapshot partly in the page cache (a split resume read its tails) splits like a cold
+one, but its read teaches no rate: it is neither a cold read nor a warm one (taken for cold, such reads
+of cached tails halved the cold rate on an H100 host, and the next cold resumes split too early). A
+snapshot in the page cache (written or read here moments ago: a preemption resumed by the same worker)
+reads whole: it reads at memory speed, and beside a prefill it read slower than alone
 (a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks, a
 strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
 read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a
@@ -87,12 +88,6 @@ def _sync(device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def _timed_read(f, start: int, device, threads: int):
-    """The tail's KV and the seconds its reads took (not its upload, which waits for the head's prefill)."""
-    kv = f.read(start, device, threads)
-    return kv, f.read_s
-
-
 def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: list[int], sampled: list[bool],
            params, threads: int = 32) -> Resumed:
     """Admit the committed `tokens` of `traj` into `eng`, with as much of its snapshot's KV as pays: split
@@ -118,18 +113,18 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
             if measured:
                 policy.observe_read(n * per_token, f.read_s, cached)
         else:
-            future = _tail_reader.submit(_timed_read, f, start, eng.device, threads)
+            future = _tail_reader.submit(f.read, start, eng.device, threads)
 
             def kv():  # the engine calls this with the head's prefill enqueued
                 _sync(eng.device)
                 policy.observe_prefill(start, time.perf_counter() - t0)
                 try:
-                    tail, seconds = future.result()
+                    tail = future.result()
                 except SnapshotRejected as exc:
                     rejected.append(exc.reason)
                     return None
-                if measured:
-                    policy.observe_read((n - start) * per_token, seconds, cached)
+                if measured:  # its reads' time (`read_s`), not its upload's wait for the head's prefill
+                    policy.observe_read((n - start) * per_token, f.read_s, cached)
                 return tail
         try:
             prefilled = eng.add(traj, tokens, sampled, params, kv=kv, kv_start=start)

@@ -16,6 +16,7 @@ or any `pyarrow.fs` URI through `dataplane.remote` (temp object then move; objec
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -358,23 +359,15 @@ class SnapshotFile:
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
         layout, nbytes = _tail_layout(h, start)
         reqs = _read_requests(h, start, layout)
-        device = torch.device(device)
-        if device.type != "cuda":
+        cuda = torch.device(device).type == "cuda"
+        with _staging_lock if cuda else contextlib.nullcontext():
             t = time.perf_counter()
-            host = torch.empty(nbytes, dtype=torch.uint8)
+            host = _staging_buffer(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
             ok = _read_checked(self.fd, host.numpy(), h, reqs, threads)
             self.read_s = time.perf_counter() - t
             if not ok:
                 raise SnapshotRejected("corrupt", "checksum mismatch")
-            return _views(host, layout)
-        with _staging_lock:
-            t = time.perf_counter()
-            host = _staging_buffer(nbytes)
-            ok = _read_checked(self.fd, host.numpy(), h, reqs, threads)
-            self.read_s = time.perf_counter() - t
-            if not ok:
-                raise SnapshotRejected("corrupt", "checksum mismatch")
-            return _views(_upload(host, device), layout)
+            return _views(_upload(host, torch.device(device)) if cuda else host, layout)
 
     def close(self) -> None:
         if self.fd >= 0:
