@@ -41,9 +41,9 @@ class WallSnapshots:
         """Record one finished optimizer step (`weights`: the policy after it); True once the budget is spent."""
         if self.sync is not None:
             self.sync()  # the step's kernels have run: its end is now
-        now = self.elapsed_s()
+        now = round(self.elapsed_s(), 6)  # the value recorded is the value compared: a rounded 2.9996 is not 3.0
         self.steps += 1
-        self.step_end_s.append(round(now, 3))
+        self.step_end_s.append(now)
         while self.pending and self.pending[0] <= now:
             self.taken.append({"mark_s": self.pending.pop(0), "step": self.prev_step, "weights": self.prev})
         if not self.pending:

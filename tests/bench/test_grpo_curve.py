@@ -50,6 +50,16 @@ def test_a_mark_gets_the_policy_after_the_last_step_that_ended_before_it(tmp_pat
     assert float(load_file(rows[3]["path"])["b"]) == 3.0  # at 20 s: the step of 12 s (the next ended at 26 s)
 
 
+def test_a_step_recorded_before_the_budget_ended_before_it():
+    clock = FakeClock()
+    snaps = WallSnapshots(0.0, 3, 1, clock=clock)
+    clock.now = 2.9996  # just short of the budget: the run goes on, and the record must say so
+    assert not snaps.after_step(_weights(1.0))
+    assert snaps.step_end_s[-1] < 3.0
+    clock.now = 3.02
+    assert snaps.after_step(_weights(2.0)) and snaps.step_end_s[-1] >= 3.0
+
+
 def test_snapshots_are_copies_not_the_live_tensors():
     clock, live = FakeClock(), _weights(1.0)
     snaps = WallSnapshots(0.0, 10, 5, clock=clock)
