@@ -120,6 +120,19 @@ class Log:
         self._next_lsn = lsn + 1
         return lsn
 
+    def append_row_locked(self, group, positions, tokens, logprobs, version: int, max_batch_bytes: int) -> bool | None:
+        """`append_locked` of a step group's next row (`StepGroup.encode_row`, the per-step path of a
+        batched decode, without a closure per step): None when the group refuses the step (nothing
+        added), else whether the batch has grown past `max_batch_bytes`. The caller checked check_failed."""
+        lsn = self._next_lsn
+        frame = group.encode_row(positions, tokens, logprobs, version, lsn, 0 if self._batch else codec.FLUSH_MARK)
+        if frame is None:
+            return None
+        self._batch.append(frame)
+        self._batch_bytes += len(frame)
+        self._next_lsn = lsn + 1
+        return self._batch_bytes > max_batch_bytes
+
     def check_failed(self) -> bool:
         """Whether check_open would raise (a poisoned or closed log)."""
         return self._error is not None or self._closed

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 
 import wal
@@ -103,3 +104,20 @@ def test_token_wal_many_workloads(seed):
 def test_envlog_many_workloads(seed):
     out = run_trial(EnvCase(calls=120), seed, images=3, recovery_cuts=4)
     assert out.failed == 0, out.first
+
+
+def test_a_batched_decode_step_starts_a_flush_only_as_the_first_frame_of_its_batch(tmp_path):
+    """The step group's per-step path marks its frame like every other append: a flush's first frame
+    only (recovery tells a hole in the last flush from corruption by the mark of a later one)."""
+    w = wal.open(tmp_path / "w")
+    ids = ["a", "b", "c"]
+    w.append_step(ids, [0, 0, 0], [1, 2, 3], [-1.0] * 3, 0)  # starts the group (general path)
+    w.commit()
+    for k in range(1, 4):  # the group's next rows (fast path): one flush alone, then two in one flush
+        w.append_step(ids, np.full(3, k, np.int64), np.arange(3, dtype=np.int32), -np.ones(3), 0)
+        if k != 2:
+            w.commit()
+    w.close()
+    buf = segments.list_segments(tmp_path / "w")[-1][1].read_bytes()
+    starts = [off for off, _ in codec.iter_frames(buf, codec.SEGMENT_HEAD_BYTES, 0)]
+    assert [codec.starts_flush(buf, s) for s in starts] == [True, True, True, False]
