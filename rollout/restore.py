@@ -123,7 +123,7 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
                 except SnapshotRejected as exc:
                     rejected.append(exc.reason)
                     return None
-                if measured:  # its reads' time (`read_s`), not its upload's wait for the head's prefill
+                if measured:  # its reads' time (`read_s`), not its upload
                     policy.observe_read((n - start) * per_token, f.read_s, cached)
                 return tail
         try:

@@ -307,16 +307,18 @@ def reader_pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy `host` to the GPU on a side stream and wait for it; the destination is allocated on the device's
-    current stream, which goes on to use it (so the copy waits for what that stream has queued)."""
-    buf = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+    """Copy `host` to the GPU on a side stream and wait for it. The destination is allocated on that stream,
+    so the copy waits for nothing queued on the device's current stream (beside a split, the head's
+    prefill) and runs while it does; `record_stream` then tells the caching allocator that the current
+    stream uses the buffer from here on, so its memory is not handed out again before that stream is done."""
     stream = _upload_streams.get(device)
     if stream is None:
         stream = _upload_streams[device] = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))  # the allocation precedes the copy
     with torch.cuda.stream(stream):
+        buf = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         buf.copy_(host, non_blocking=True)
     stream.synchronize()
+    buf.record_stream(torch.cuda.current_stream(device))
     return buf
 
 
@@ -352,8 +354,8 @@ class SnapshotFile:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
         in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
         lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch. `read_s`: the
-        seconds its reads and checks took, without the upload (which waits for the work queued on the
-        device's current stream: beside a split's prefill, for the prefill)."""
+        seconds its reads and checks took, without the upload (a copy on a side stream, beside whatever the
+        device's current stream runs: a split's prefill)."""
         h = self.header
         if start < 0 or start % h.block_tokens or (start and start >= h.token_count):
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
