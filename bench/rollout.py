@@ -111,6 +111,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / max(1, total)
 
 
+def _fit(policy) -> list[float] | None:
+    """The split policy's line through its heads' prefills ([fixed ms, us per token]), None where it had none."""
+    from rollout.restore import affine_fit
+
+    fit = affine_fit(list(policy.prefills))
+    return None if fit is None else [round(fit[0] * 1e3, 3), round(fit[1] * 1e6, 3)]
+
+
 def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
     """Seconds to bring a trajectory of `ctx` committed tokens back: a resume from its snapshot as the worker
     makes it (`rollout.restore.resume`: the head re-prefilled while the tail is read, split where the rates
@@ -180,7 +188,8 @@ def resume_latency(model, tok, ctx, device, store_dir, reps=5, fp=None):
             "ratio_warm_median": med(t["reprefill"]) / med(t["split_warm"]),
             "split_head_tokens": heads, "split_policy": {"prefill_us_per_token": _us(split.prefill_s_per_token),
                                                          "read_us_per_mb_cold": _us(split.read_s_per_byte[False], 2**20),
-                                                         "read_us_per_mb_warm": _us(split.read_s_per_byte[True], 2**20)},
+                                                         "read_us_per_mb_warm": _us(split.read_s_per_byte[True], 2**20),
+                                                         "prefill_fit_fixed_ms_us_per_token": _fit(split)},
             "whole_restore_cold_s_median": med(t["whole_cold"]), "whole_restore_warm_s_median": med(t["whole_warm"]),
             "ratio_whole_cold_median": med(t["reprefill"]) / med(t["whole_cold"]),
             "kv_restore_cold_s_all": t["split_cold"], "whole_restore_cold_s_all": t["whole_cold"],

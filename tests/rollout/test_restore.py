@@ -204,3 +204,28 @@ def test_the_split_point_follows_the_rates():
     assert q.start(64, 8, 100, False) == 32 and q.start(4096, 1024, 100, False) == 2048
     assert q.start(4000, 1024, 100, False) == 2048 and q.start(2100, 1024, 100, False) == 1024
     assert restore.SplitPolicy(enabled=False).start(64, 8, 100, False) == 0
+
+
+def test_a_line_is_fitted_only_through_heads_of_different_sizes():
+    assert restore.affine_fit([(1000, 0.01), (1200, 0.0115)]) is None  # within 1.5x of each other: noise
+    fixed, rate = restore.affine_fit([(1024, 0.0064 + 1024 * 3e-6), (4096, 0.0064 + 4096 * 3e-6), (2048, 0.0064 + 2048 * 3e-6)])
+    assert fixed == pytest.approx(0.0064) and rate == pytest.approx(3e-6)
+    assert restore.affine_fit([(1000, 0.02), (3000, 0.01)]) is None  # a falling line is not a cost
+    assert restore.affine_fit([(1000, 0.001), (3000, 0.01)]) is None  # nor is a negative fixed part
+
+
+def test_the_split_counts_the_fixed_cost_of_a_head_prefill():
+    """Heads of 2k-4k tokens that cost 6.4 ms + 3 us a token (an H100 host at 8k tokens), a read of 6 us a
+    token: the split balances the fixed part too, so the head is longer than by the rate alone."""
+    n, block, bpt = 8192, 1024, 12 * 1024
+    policy = restore.SplitPolicy()
+    for head in (2048, 3072, 4096, 3072):
+        policy.observe_prefill(head, 0.0064 + head * 3e-6)
+    policy.observe_read(bpt * 5120, 5120 * 6e-6, cached=False)
+    at = (n * 6e-6 - 0.0064) / (3e-6 + 6e-6)  # 6.4 ms + 3 us·at = 6 us·(n − at)
+    assert policy.start(n, block, bpt, False) == round(at / block) * block == 5120
+    rate_only = restore.SplitPolicy()  # the same costs seen at one head size: a rate alone, the fixed part in it
+    for _ in range(4):
+        rate_only.observe_prefill(3072, 0.0064 + 3072 * 3e-6)
+    rate_only.observe_read(bpt * 5120, 5120 * 6e-6, cached=False)
+    assert rate_only.start(n, block, bpt, False) == 4096
