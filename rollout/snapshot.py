@@ -310,7 +310,9 @@ def _upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Copy `host` to the GPU on a side stream and wait for it. The destination is allocated on that stream,
     so the copy waits for nothing queued on the device's current stream (beside a split, the head's
     prefill) and runs while it does; `record_stream` then tells the caching allocator that the current
-    stream uses the buffer from here on, so its memory is not handed out again before that stream is done."""
+    stream uses the buffer from here on, so its memory is not handed out again before that stream is done.
+    The cost: once freed, that memory stays cached in the side stream's pool (for the next upload), not in
+    the engine's, until `torch.cuda.empty_cache()`: up to the largest KV one read uploads."""
     stream = _upload_streams.get(device)
     if stream is None:
         stream = _upload_streams[device] = torch.cuda.Stream(device)
