@@ -17,7 +17,9 @@ def test_bench_wal_smoke(tmp_path):
     assert out["meta"]["commit"] and out["meta"]["date_utc"] and out["meta"]["machine"]
     for t in out["targets"].values():
         assert set(t) - {"note"} == {"value", "goal", "met"} and t["value"] > 0
-    assert out["configs"]["b512"]["paired_ratio_floor_vs_sqlite_blob"] > 0  # the disk's bound on the SQLite target
+    b512 = out["configs"]["b512"]  # the bounds on the SQLite target: the disk's, and the log's own frame written raw
+    assert b512["paired_ratio_floor_vs_sqlite_blob"] > 0 and b512["paired_ratio_raw_prealloc_vs_sqlite_blob"] > 0
+    assert f"{b512['paired_ratio_raw_prealloc_vs_sqlite_blob']}x" in out["targets"]["inproc_vs_sqlite_blob_b512"]["note"]
     cfg = out["configs"]["b512"]
     assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched", "inproc_step", "inproc_step_steady",
                                               "inproc_step_lists", "raw_prealloc_step_fdatasync", "raw_prealloc_fdatasync",
