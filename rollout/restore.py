@@ -10,12 +10,13 @@ the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the
 
 The split point comes from costs this process has measured (`SplitPolicy`): a head's prefill (a fixed
 part and seconds per token, once heads of different sizes were seen) and seconds per byte read cold.
-Until both are known the first resume splits in the middle, which measures both. A snapshot partly in the page cache (a split resume read its tails) splits like a cold
-one, but its read teaches no rate: it is neither a cold read nor a warm one (taken for cold, such reads
-of cached tails halved the cold rate on an H100 host, and the next cold resumes split too early). A
-snapshot in the page cache (written or read here moments ago: a preemption resumed by the same worker)
-reads whole: it reads at memory speed, and beside a prefill it read slower than alone
-(a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks, a
+Until both are known the first resume splits in the middle, which measures both. A snapshot partly in
+the page cache (a split resume read its tails) splits like a cold one, but its read teaches no rate: it
+is neither a cold read nor a warm one (taken for cold, such reads of cached tails halved the cold rate on
+an H100 host, and the next cold resumes split too early). A snapshot in the page cache (written or read
+here moments ago: a preemption resumed by the same worker) reads whole: it reads at memory speed, and
+beside a prefill it read slower than alone (a 32k resume on an H100 host: split 129 ms against 95 ms
+whole). Snapshots of fewer than two blocks, a
 strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
 read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a
 split resume of 256 tokens took 2.9x a whole read: 2.1 against 0.7 ms).
