@@ -363,7 +363,8 @@ class SnapshotFile:
             raise ValueError(f"read from token {start}: not a block boundary before {h.token_count}")
         layout, nbytes = _tail_layout(h, start)
         reqs = _read_requests(h, start, layout)
-        cuda = torch.device(device).type == "cuda"
+        device = torch.device(device)
+        cuda = device.type == "cuda"
         with _staging_lock if cuda else contextlib.nullcontext():
             t = time.perf_counter()
             host = _staging_buffer(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
@@ -371,7 +372,7 @@ class SnapshotFile:
             self.read_s = time.perf_counter() - t
             if not ok:
                 raise SnapshotRejected("corrupt", "checksum mismatch")
-            return _views(_upload(host, torch.device(device)) if cuda else host, layout)
+            return _views(_upload(host, device) if cuda else host, layout)
 
     def close(self) -> None:
         if self.fd >= 0:

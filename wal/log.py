@@ -106,32 +106,20 @@ class Log:
             self._helper.start()
 
     # --- appending (caller holds `mutex`) ---
-    def append_locked(self, encode: Callable[[int, int], bytes | None]) -> int | None:
-        """Add encode(lsn, mark) to the batch and return its lsn; mark is codec.FLUSH_MARK for the first
-        frame of a batch (the next flush takes the whole batch, so that frame starts a flush), else 0.
-        An encode that returns None adds nothing, and so returns None."""
+    def append_locked(self, encode: Callable[..., bytes | None], *args) -> int | None:
+        """Add encode(*args, lsn, mark) to the batch and return its lsn; mark is codec.FLUSH_MARK for the
+        first frame of a batch (the next flush takes the whole batch, so that frame starts a flush), else 0.
+        An encode that returns None adds nothing, and so returns None. `args` spare a per-step path (a
+        batched decode's rows) a closure per call."""
         self.check_open()
         lsn = self._next_lsn
-        frame = encode(lsn, 0 if self._batch else codec.FLUSH_MARK)
+        frame = encode(*args, lsn, 0 if self._batch else codec.FLUSH_MARK)
         if frame is None:
             return None
         self._batch.append(frame)
         self._batch_bytes += len(frame)
         self._next_lsn = lsn + 1
         return lsn
-
-    def append_row_locked(self, group, positions, tokens, logprobs, version: int, max_batch_bytes: int) -> bool | None:
-        """`append_locked` of a step group's next row (`StepGroup.encode_row`, the per-step path of a
-        batched decode, without a closure per step): None when the group refuses the step (nothing
-        added), else whether the batch has grown past `max_batch_bytes`. The caller checked check_failed."""
-        lsn = self._next_lsn
-        frame = group.encode_row(positions, tokens, logprobs, version, lsn, 0 if self._batch else codec.FLUSH_MARK)
-        if frame is None:
-            return None
-        self._batch.append(frame)
-        self._batch_bytes += len(frame)
-        self._next_lsn = lsn + 1
-        return self._batch_bytes > max_batch_bytes
 
     def check_failed(self) -> bool:
         """Whether check_open would raise (a poisoned or closed log)."""

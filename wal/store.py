@@ -270,9 +270,9 @@ class Store:
         with self.mutex:
             if self.tokens.group is not g or log.check_failed() or not g.same_ids(traj_ids):
                 return False
-            big = log.append_row_locked(g, positions, tokens, logprobs, policy_version, self.config.max_batch_bytes)
-            if big is None:
+            if log.append_locked(g.encode_row, positions, tokens, logprobs, policy_version) is None:
                 return False
+            big = log.batch_bytes > self.config.max_batch_bytes
         if big:
             log.commit()
         return True
