@@ -160,8 +160,8 @@ class Engine:
         With `kv_start` > 0 the first `kv_start` tokens are prefilled first. `kv` may be a callable, called
         once that prefill is under way (so a snapshot read in another thread overlaps it); it returns the KV
         or None (no KV after all: the rest is re-prefilled too). A KV that does not fit raises ValueError
-        with nothing changed (a callable's: the request is taken out again), so the caller can fall back
-        to re-prefill."""
+        with nothing changed, so the caller can fall back to re-prefill; whatever fails once the request is
+        in (the callable, a prefill) takes it out again before the error goes on."""
         if req_id in self.seqs:
             raise ValueError(f"request {req_id!r} already in the engine")
         if not tokens or len(tokens) != len(sampled):
@@ -185,20 +185,20 @@ class Engine:
             self._check_stop(seq)
         if seq.state == "done":  # a complete trajectory needs no KV: it is only finished
             return 0
-        loaded = 0
-        if kv is not None:
-            self._feed_block(seq, seq.tokens[:kv_start])
-            tensors = kv() if deferred else kv
-            if tensors is not None:
-                if deferred:
-                    try:
+        try:
+            loaded = 0
+            if kv is not None:
+                self._feed_block(seq, seq.tokens[:kv_start])
+                tensors = kv() if deferred else kv
+                if tensors is not None:
+                    if deferred:
                         length = self._checked(tensors, kv_start, tokens, sampled)
-                    except ValueError:
-                        self.remove(req_id)
-                        raise
-                self.kv.write(slot, tensors, kv_start, length)
-                loaded, seq.kv_len = length, kv_start + length
-        self._replay(seq)
+                    self.kv.write(slot, tensors, kv_start, length)
+                    loaded, seq.kv_len = length, kv_start + length
+            self._replay(seq)
+        except BaseException:  # a KV that does not fit, a read that failed, a prefill out of memory: not admitted
+            self.remove(req_id)
+            raise
         return seq.kv_len - loaded
 
     def _checked(self, tensors: dict[str, torch.Tensor], start: int, tokens: list[int], sampled: list[bool]) -> int:

@@ -48,7 +48,8 @@ _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
 
 
 class SnapshotRejected(Exception):
-    """A snapshot that must not be used; `reason` is one of missing, corrupt, mismatch, stale."""
+    """A snapshot that must not be used; `reason` is one of missing, corrupt, mismatch, stale, unreadable (an
+    I/O error opening or reading it)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -355,7 +356,7 @@ class SnapshotFile:
     def read(self, start: int = 0, device: torch.device | str = "cpu", threads: int = 32) -> dict[str, torch.Tensor]:
         """The KV of tokens [start, token_count), each tensor [H, token_count - start, D], on `device`; read
         in parallel straight into a buffer (page-locked when going to a GPU), each piece checksummed as it
-        lands, then uploaded once. SnapshotRejected on a short file or a checksum mismatch. `read_s`: the
+        lands, then uploaded once. SnapshotRejected on a short file, a checksum mismatch or a read that fails. `read_s`: the
         seconds its reads and checks took, without the upload (a copy on a side stream, beside whatever the
         device's current stream runs: a split's prefill)."""
         h = self.header
@@ -368,7 +369,10 @@ class SnapshotFile:
         with _staging_lock if cuda else contextlib.nullcontext():
             t = time.perf_counter()
             host = _staging_buffer(nbytes) if cuda else torch.empty(nbytes, dtype=torch.uint8)
-            ok = _read_checked(self.fd, host.numpy(), h, reqs, threads)
+            try:
+                ok = _read_checked(self.fd, host.numpy(), h, reqs, threads)
+            except OSError as exc:  # an I/O error (a failing disk, a shared file system gone stale)
+                raise SnapshotRejected("unreadable", f"read failed ({exc})") from None
             self.read_s = time.perf_counter() - t
             if not ok:
                 raise SnapshotRejected("corrupt", "checksum mismatch")
@@ -412,6 +416,8 @@ def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise SnapshotRejected("missing", f"no snapshot for {traj_id}") from None
+    except OSError as exc:
+        raise SnapshotRejected("unreadable", f"cannot open the snapshot of {traj_id} ({exc})") from None
     try:
         size = os.fstat(fd).st_size
         resident = _resident_fraction(fd, size)
@@ -424,6 +430,9 @@ def open_file(path: str | Path, traj_id: str, wal_tokens: list[int], policy_vers
         h = _parse_header(os.pread(fd, n, 8), n)
         validate(h, traj_id, wal_tokens, policy_version, fingerprint, dtype, size - h.payload_offset)
         return SnapshotFile(fd, h, resident)
+    except OSError as exc:
+        os.close(fd)
+        raise SnapshotRejected("unreadable", f"header read failed ({exc})") from None
     except BaseException:
         os.close(fd)
         raise
@@ -500,20 +509,29 @@ class SnapshotStore:
 
     def load(self, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str, dtype: torch.dtype,
              device: torch.device | str = "cpu") -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
-        """The validated KV of `traj_id` on `device`, or SnapshotRejected (missing, corrupt, mismatch, stale)."""
+        """The validated KV of `traj_id` on `device`, or SnapshotRejected (missing, corrupt, mismatch, stale,
+        unreadable)."""
         if self._local:
             return load_file(self._local / self._name(traj_id), traj_id, wal_tokens, policy_version, fingerprint,
                              dtype, device)
-        h, kv = decode(self.get(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype)
+        h, kv = decode(self._fetch(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype)
         return h, {k: v.to(device) for k, v in kv.items()}
 
     def open(self, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str,
              dtype: torch.dtype) -> "SnapshotFile | _Decoded":
         """The snapshot of `traj_id` with its header validated, ready to `read(start)`; SnapshotRejected
-        (missing, corrupt, mismatch, stale) otherwise. A remote snapshot is fetched and verified whole here."""
+        (missing, corrupt, mismatch, stale, unreadable) otherwise. A remote snapshot is fetched and verified whole
+        here."""
         if self._local:
             return open_file(self._local / self._name(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype)
-        return _Decoded(*decode(self.get(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype))
+        return _Decoded(*decode(self._fetch(traj_id), traj_id, wal_tokens, policy_version, fingerprint, dtype))
+
+    def _fetch(self, traj_id: str) -> bytes | None:
+        """A remote snapshot's bytes (None: not there); SnapshotRejected when the store fails to answer."""
+        try:
+            return self.get(traj_id)
+        except OSError as exc:
+            raise SnapshotRejected("unreadable", f"fetch of {traj_id} failed ({exc})") from None
 
     def delete(self, traj_id: str) -> bool:
         if self._local:

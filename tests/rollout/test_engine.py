@@ -113,6 +113,34 @@ def test_kv_export_restore_and_bad_kv(tiny_policy):
         Engine(model, tok, max_batch=1).add("k", tokens, sampled, P, kv=bad)
 
 
+@pytest.mark.parametrize("fails", ["callable", "prefill"])
+def test_a_request_whose_admission_fails_is_taken_out_again(tiny_policy, monkeypatch, fails):
+    """Whatever fails once a request is in (its deferred KV's callable, the head's prefill) leaves the engine
+    as it was: the request out, its slot free, the same id admitted again."""
+    model, tok = tiny_policy
+    p = _prompts(tok, 1)[0]
+    eng = Engine(model, tok, seed=2, max_batch=2)
+    eng.add("k", p, [False] * len(p), P)
+    for _ in range(5):
+        eng.accept(eng.step())
+    kv, covered = eng.export_kv("k")
+    tokens, sampled = list(eng.seqs["k"].tokens), list(eng.seqs["k"].sampled)
+    eng2 = Engine(model, tok, seed=2, max_batch=2)
+
+    def read_fails():
+        raise OSError(5, "Input/output error")
+
+    if fails == "prefill":
+        def out_of_memory(*_a):
+            raise RuntimeError("out of memory")
+        monkeypatch.setattr(eng2, "_feed_block", out_of_memory)
+    with pytest.raises(OSError if fails == "callable" else RuntimeError):
+        eng2.add("k", tokens, sampled, P, kv=read_fails, kv_start=2)
+    assert "k" not in eng2.seqs and eng2.capacity == 2
+    monkeypatch.undo()
+    assert eng2.add("k", tokens, sampled, P) == len(tokens) - 1 and eng2.capacity == 1
+
+
 def test_static_decode_matches_eager_decode(tiny_policy):
     """The static all-slot forward (a CUDA graph on a GPU) draws what eager decode draws; requests join late."""
     model, tok = tiny_policy

@@ -175,6 +175,50 @@ def test_a_kv_that_does_not_fit_and_a_missing_snapshot_fall_back(tiny_policy, tm
     assert r.rejected == "missing" and _run(eng, "other")
 
 
+class _FailingReads(SnapshotStore):
+    """Opens and validates as the store does, then points the file's descriptor at a directory: every read
+    of the payload fails in the kernel (EISDIR), as reads from a failing disk do."""
+
+    def open(self, *args, **kwargs):
+        import os
+
+        f = super().open(*args, **kwargs)
+        d = os.open(self._local, os.O_RDONLY | os.O_DIRECTORY)
+        os.dup2(d, f.fd)
+        os.close(d)
+        return f
+
+
+@pytest.mark.parametrize("reader", ["c", "python"])
+def test_a_snapshot_that_fails_to_read_is_re_prefilled(tiny_policy, tmp_path, blocks, monkeypatch, reader):
+    """An I/O error reading the payload (split: in the tail's thread; whole: in the caller's) rejects the
+    snapshot as unreadable; the tokens are re-prefilled and the engine holds the request once."""
+    if reader == "c" and snap._kvread is None:
+        pytest.skip("the C reader is not built here")
+    monkeypatch.setattr(snap, "READER", reader)
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    failing = _FailingReads(store.uri)
+    for policy in (restore.SplitPolicy(split_cached=True), restore.SplitPolicy(enabled=False)):
+        eng = Engine(model, tok, seed=3, max_batch=2)
+        r = restore.resume(eng, failing, policy, "r", tokens, sampled, P)
+        assert (r.rejected, r.kv_tokens, r.prefilled) == ("unreadable", 0, len(tokens) - 1)
+        assert eng.capacity == 1 and _run(eng, "r") == want
+
+
+def test_a_snapshot_whose_header_fails_to_read_is_re_prefilled(tiny_policy, tmp_path, blocks):
+    """A directory where the snapshot file should be: it opens, and its header read fails (EISDIR)."""
+    import os
+
+    model, tok = tiny_policy
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    os.unlink(store.path("r"))
+    os.mkdir(store.path("r"))
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, restore.SplitPolicy(), "r", tokens, sampled, P)
+    assert (r.rejected, r.kv_tokens, r.prefilled) == ("unreadable", 0, len(tokens) - 1) and _run(eng, "r") == want
+
+
 def test_an_engine_on_the_cpu_reads_whole(tiny_policy, tmp_path, monkeypatch):
     monkeypatch.setattr(snap, "BLOCK_TOKENS", BLOCK)
     model, tok = tiny_policy
