@@ -157,7 +157,7 @@ def run_rollout_drill(ctx: DrillContext, name: str, faults: int) -> DrillResult:
                   "rounds_a_kill_waited_for_a_warm_spare": injector.spare_waits, "suspended": c["suspended"],
                   "kv_restore": c["kv_restore"], "reprefill": c["reprefill"],
                   "snapshot_rejected": {k.removeprefix("snapshot_"): v for k, v in c.items()
-                                        if k.startswith("snapshot_") and k != "snapshots_written"},
+                                        if k.startswith("snapshot_")},
                   "tokens_committed": c["tokens_committed"]}
     if kind == "preempt":
         out.checks["preemption keeps the worker (no replacement)"] = replacements == 0

@@ -187,17 +187,25 @@ class RolloutWorker:
         if stops:
             self._on_stops(stops)
 
+    def _snapshot(self, traj: str, seq) -> bool:
+        """Write the KV snapshot of `traj`. A write that fails (a full disk, a store that does not answer) is
+        counted, not raised: the WAL holds every committed token, and the resume re-prefills them."""
+        kv, covered = self.engine.export_kv(traj)
+        try:
+            self.store.put(traj, encode(traj, seq.tokens[:covered], kv, self.engine.version, self.engine.fingerprint))
+        except OSError:
+            self.counters["snapshots_failed"] += 1
+            return False
+        self.counters["snapshots_written"] += 1
+        return True
+
     def preempt(self) -> int:
         """Graceful stop: snapshot the KV of every in-flight request, release the WAL. Returns snapshots written."""
         self._check_live()
-        n = 0
-        for traj, seq in list(self.engine.seqs.items()):
-            kv, covered = self.engine.export_kv(traj)
-            self.store.put(traj, encode(traj, seq.tokens[:covered], kv, self.engine.version, self.engine.fingerprint))
-            n += 1
-        self.counters["snapshots_written"] += n
-        self.close()
-        return n
+        try:
+            return sum(self._snapshot(traj, seq) for traj, seq in list(self.engine.seqs.items()))
+        finally:
+            self.close()
 
     def suspend(self) -> list[str]:
         """Preempt the in-flight requests, not the worker: snapshot their KV, free their engine slots and queue
@@ -206,12 +214,10 @@ class RolloutWorker:
         self._check_live()
         out = []
         for traj, seq in list(self.engine.seqs.items()):
-            kv, covered = self.engine.export_kv(traj)
-            self.store.put(traj, encode(traj, seq.tokens[:covered], kv, self.engine.version, self.engine.fingerprint))
+            self._snapshot(traj, seq)
             self.engine.remove(traj)
             out.append(traj)
         self.queue.extendleft(self.reqs[t] for t in reversed(out))
-        self.counters["snapshots_written"] += len(out)
         self.counters["suspended"] += len(out)
         return out
 

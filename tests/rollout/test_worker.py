@@ -141,6 +141,30 @@ def test_bad_snapshot_falls_back_to_reprefill(tmp_path, tiny_ckpt, reference, da
     assert c["kv_restore"] == 0 and c["reprefill"] == c[reason] == c["resumed"] - c["resumed_complete"] >= 1, dict(c)
 
 
+def test_a_preemption_whose_snapshots_fail_to_write_still_releases_the_wal(tmp_path, tiny_ckpt, reference):
+    """The snapshot directory replaced by a file: every write fails in the kernel. The preemption counts the
+    failures, writes nothing, still releases the WAL, and the next worker re-prefills from it."""
+    import os
+    import shutil
+
+    spec = _spec(tmp_path, tiny_ckpt, "w")
+    w = RolloutWorker(spec)
+    w.submit(_requests(3))
+    for _ in range(4):
+        w.run(1)
+    in_flight = len(w.engine.seqs)
+    shutil.rmtree(spec.snapshot_uri)
+    open(spec.snapshot_uri, "w").close()
+    assert w.preempt() == 0 and w.counters["snapshots_failed"] == in_flight >= 1
+    os.unlink(spec.snapshot_uri)
+    w2 = RolloutWorker(spec)  # opens the WAL: the preemption released it
+    w2.submit(_requests(3))
+    out = _drain(w2)
+    w2.close()
+    _check(out, reference)
+    assert w2.counters["snapshot_missing"] == w2.counters["reprefill"] >= 1 and w2.counters["kv_restore"] == 0
+
+
 def test_stale_snapshot_falls_back_to_reprefill(tmp_path, tiny_ckpt, reference):
     """Same weights under a newer policy version: the snapshot is stale; the re-prefill still agrees."""
     spec = _spec(tmp_path, tiny_ckpt, "w")
