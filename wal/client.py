@@ -124,8 +124,8 @@ class RemoteWAL(TokenLog):
         start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
         if start < 0:
             raise GapError(f"trajectory {traj_id!r}: start {start} is negative")
-        if policy_version < 0:
-            raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
+        codec.check_u64(start, "start")
+        codec.check_u64(policy_version, "policy_version")
         codec._id_bytes(traj_id, "traj_id")
         with self._lock:
             self._check_open()
@@ -151,9 +151,9 @@ class RemoteWAL(TokenLog):
             pos = positions
         else:
             pos = np.array([_index(p, "position") for p in positions], dtype=_POSITIONS)
-        policy_version = _index(policy_version, "policy_version")
-        if policy_version < 0 or (n and pos[pos.argmin()] < 0):
-            raise codec.CodecError("positions and policy_version must be >= 0")
+        policy_version = codec.check_u64(_index(policy_version, "policy_version"), "policy_version")
+        if n and pos[pos.argmin()] < 0:
+            raise codec.CodecError("positions must be >= 0")
         ids = list(traj_ids)
         for t in ids:
             codec._id_bytes(t, "traj_id")

@@ -70,6 +70,14 @@ SEGMENT_HEAD_BYTES = SEGMENT_HEAD.size
 crc32c = _crc32c.crc32c
 FLUSH_MARK = 0x5F4C5553  # XORed into the stored checksum of a flush's first frame
 _I32_MAX = (1 << 31) - 1
+U64_LIMIT = 1 << 64  # policy versions and positions are stored as u64
+
+
+def check_u64(value: int, what: str) -> int:
+    """`value` (an integer) if it fits a record's u64 field, else CodecError naming the field."""
+    if not 0 <= value < U64_LIMIT:
+        raise CodecError(f"{what} must lie in 0..2**64-1, got {value}")
+    return value
 _I64_MAX = (1 << 63) - 1
 _SMALL = 64  # lists up to this length are packed with the array module
 _LITTLE = sys.byteorder == "little"
@@ -534,7 +542,10 @@ def pack_logprobs(logprobs, n: int) -> bytes:
     if isinstance(logprobs, (bytes, bytearray, memoryview)):
         raise CodecError("logprobs must be a sequence of floats, not bytes")
     try:
-        arr = np.asarray(logprobs, dtype=LOGPROB_DTYPE)
+        raw = np.asarray(logprobs)
+        if raw.size and raw.dtype.kind not in "fiu":  # strings, bytes, None: never parsed as numbers
+            raise CodecError(f"logprobs must be floats, got dtype {raw.dtype}")
+        arr = raw.astype(LOGPROB_DTYPE)
     except (TypeError, ValueError) as exc:
         raise CodecError(f"logprobs must be floats: {exc}") from None
     if arr.ndim != 1 and arr.size:

@@ -14,7 +14,11 @@ from __future__ import annotations
 import zlib
 from typing import Sequence
 
+import numpy as np
+
+from wal import codec
 from wal.base import TokenLog
+from wal.store import _index
 from wal.types import Committed
 
 
@@ -52,12 +56,23 @@ class ShardedWAL(TokenLog):
 
     def append_step(self, traj_ids: Sequence[str], positions: Sequence[int], tokens: Sequence[int],
                     logprobs: Sequence[float], policy_version: int) -> None:
+        """The step split by shard. Its values (types, ranges, NaN, counts, ids) are checked whole before any
+        shard gets its part; what only a shard can check (a gap, a rewrite) fails that shard's part alone."""
+        tok = np.frombuffer(codec.pack_tokens(tokens), codec.TOKEN_DTYPE)
+        n = len(tok)
+        lp = np.frombuffer(codec.pack_logprobs(logprobs, n), codec.LOGPROB_DTYPE)
+        if len(traj_ids) != n or len(positions) != n:
+            raise codec.CodecError(f"append_step: {len(traj_ids)} trajectory ids, {len(positions)} positions, {n} "
+                                   "tokens; there must be one of each per trajectory")
+        pos = np.frombuffer(codec.pack_positions(positions), "<i8")
+        policy_version = codec.check_u64(_index(policy_version, "policy_version"), "policy_version")
         parts: dict[int, list[int]] = {}
         for i, t in enumerate(traj_ids):
+            codec._id_bytes(t, "traj_id")
             parts.setdefault(shard_of(t, len(self.logs)), []).append(i)
         for k, idx in parts.items():
-            self.logs[k].append_step([traj_ids[i] for i in idx], [positions[i] for i in idx],
-                                     [tokens[i] for i in idx], [logprobs[i] for i in idx], policy_version)
+            self.logs[k].append_step([traj_ids[i] for i in idx], pos[idx].tolist(), tok[idx].tolist(), lp[idx].tolist(),
+                                     policy_version)
             self._dirty.add(k)
 
     def commit(self) -> int:

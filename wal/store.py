@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wal import codec, segments, tombstones
+from wal import codec, cuts, segments, tombstones
 from wal.config import WALConfig
 from wal.envindex import EnvIndex
 from wal.errors import ConflictError, CorruptionError, GapError, WALError
@@ -40,6 +40,7 @@ class Store:
                        on_roll=self._reclaim_wanted.set, preallocate_bytes=self.config.preallocate_bytes,
                        spare_segments=self.config.spare_segments, recycle_segments=self.config.recycle_segments)
         try:
+            self._cuts = cuts.read(self.log.directory)
             self._finish_replay(repair)
             self.tokens.forgotten = tombstones.read(self.log.directory, mutate=True)
             revived = self.tokens.forgotten.intersection(self.tokens.trajs)
@@ -135,16 +136,30 @@ class Store:
             self.tokens.apply(rec.traj_id, pos, rec.tokens[skip * 4:], rec.logprobs[skip * 8:], rec.policy_version, rec.lsn)
 
     def _finish_replay(self, repair: bool) -> None:
+        """Apply the records that came before the positions they follow (compacted copies), skipping those a
+        repair cut. A hole left fails the open, or under repair cuts the trajectory at it, durably (`cuts`)."""
+        new_cuts: dict[str, tuple[int, int]] = {}
         for traj_id, recs in self._deferred.items():
-            for rec in sorted(recs, key=lambda r: (r.start, r.lsn)):
+            recs = sorted(recs, key=lambda r: (r.start, r.lsn))
+            for i, rec in enumerate(recs):
+                if cuts.is_cut(self._cuts, traj_id, rec.start, rec.lsn):
+                    self.ignored_records += 1
+                    continue
                 traj = self.tokens.trajs.get(traj_id)
-                if rec.start > (traj.length if traj else 0):
+                length = traj.length if traj else 0
+                if rec.start > length:
                     if not repair:
                         raise CorruptionError(f"WAL {self.log.directory}: trajectory {traj_id!r} has a hole before position "
                                               f"{rec.start} (records were lost); open with repair=True to keep its contiguous prefix")
+                    new_cuts[traj_id] = (length, max(r.lsn for r in recs[i:]))
                     break
                 self._replay_tokens(rec)
         self._deferred = {}
+        if new_cuts:  # durable before the log takes an append that reuses the cut positions
+            for traj_id, cut in new_cuts.items():
+                self._cuts.setdefault(traj_id, []).append(cut)
+            cuts.write(self.log.directory, self._cuts)
+            self.log.report.repaired = True
         durable = self.log.durable_lsn
         self.env.finish_replay(durable)
         for traj in self.tokens.trajs.values():
@@ -165,8 +180,8 @@ class Store:
         n = len(tok) // 4
         if type(start) is not int or type(policy_version) is not int:
             start, policy_version = _index(start, "start"), _index(policy_version, "policy_version")
-        if policy_version < 0:
-            raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
+        if not 0 <= policy_version < codec.U64_LIMIT:
+            codec.check_u64(policy_version, "policy_version")
         step = self.config.max_record_tokens
         with self.mutex:
             self.log.check_open()
@@ -211,10 +226,7 @@ class Store:
             raise codec.CodecError(f"append_step: {n} trajectory ids, {len(positions)} positions, {len(tok) // 4} tokens; "
                                    f"there must be one of each per trajectory")
         starts = codec.positions_bytes(positions)  # checked below unless they are the group's next positions
-        if type(policy_version) is not int:
-            policy_version = _index(policy_version, "policy_version")
-        if policy_version < 0:
-            raise codec.CodecError(f"policy_version must be >= 0, got {policy_version}")
+        codec.check_u64(_index(policy_version, "policy_version"), "policy_version")
         if not n:
             return
         with self.mutex:  # the common case: the same trajectories as the last step, each at its next position
@@ -231,10 +243,16 @@ class Store:
                 self.log.commit()
             return
         starts = codec.pack_positions(positions)  # the range check the fast path did not need
-        if len(set(traj_ids)) != n:  # a trajectory twice in one step: do it item by item, in order
-            for i in range(n):
-                self.append_tokens(traj_ids[i], positions[i], np.frombuffer(tok[i * 4:i * 4 + 4], codec.TOKEN_DTYPE),
-                                   np.frombuffer(lp[i * 8:i * 8 + 8], codec.LOGPROB_DTYPE), policy_version)
+        if len(set(traj_ids)) != n:  # a trajectory twice in one step: checked whole, then written item by item
+            at = np.frombuffer(starts, "<i8").tolist()
+            with self.mutex:
+                self.log.check_open()
+                self._check_items(traj_ids, at, tok, lp, policy_version)
+                for i in range(n):
+                    self._append_checked(traj_ids[i], at[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8], policy_version, 1)
+                big = self.log.batch_bytes > self.config.max_batch_bytes
+            if big:
+                self.log.commit()
             return
         with self.mutex:
             self.log.check_open()
@@ -257,6 +275,29 @@ class Store:
         if big:
             self.log.commit()
 
+    def _check_items(self, traj_ids, positions: list[int], tok: bytes, lp: bytes, policy_version: int) -> None:
+        """Raise what writing the items of a step one by one, in order, would raise (a gap, a rewrite, a
+        finalized trajectory), before any of them is written (caller holds the mutex)."""
+        added: dict[str, tuple[int, bytearray, bytearray]] = {}  # trajectory -> (first position the step adds, them)
+        for i, t in enumerate(traj_ids):
+            codec._id_bytes(t, "traj_id")
+            p, ti, li = positions[i], tok[i * 4:i * 4 + 4], lp[i * 8:i * 8 + 8]
+            first, toks, lps = added.get(t, (None, None, None))
+            if first is None or p < first:  # against the log
+                if self.tokens.new_part(t, p, ti, li, policy_version) is not None and first is None:
+                    added[t] = (p, bytearray(ti), bytearray(li))
+            elif p < first + len(toks) // 4:  # against an earlier item of this step
+                k = p - first
+                if toks[k * 4:k * 4 + 4] != ti or lps[k * 8:k * 8 + 8] != li:
+                    raise ConflictError(f"trajectory {t!r}: the step writes position {p} twice, with different "
+                                        "tokens or log-probs")
+            elif p == first + len(toks) // 4:
+                toks += ti
+                lps += li
+            else:
+                raise GapError(f"trajectory {t!r}: the step's item at position {p} leaves a gap after position "
+                               f"{first + len(toks) // 4 - 1}")
+
     def _step_fast(self, traj_ids, positions, tokens, logprobs, policy_version) -> bool:
         """append_step for a step given as a decode loop holds it (int32 tokens, float64 log-probs and
         int64 positions as numpy arrays, or lists of Python ints and floats; an int version) that is the step
@@ -264,7 +305,7 @@ class Store:
         Anything else (other types, a bad value, other ids or positions, a closed log) returns False before
         changing anything, and the general path takes the step (and raises what it raises)."""
         g = self.tokens.group
-        if g is None or type(policy_version) is not int or policy_version < 0:
+        if g is None or type(policy_version) is not int or not 0 <= policy_version < codec.U64_LIMIT:
             return False
         log = self.log
         with self.mutex:
@@ -347,12 +388,17 @@ class Store:
     # --- retention ---
     def _live(self, rec: Record) -> bool:
         if isinstance(rec, TokensRecord):
-            return rec.traj_id not in self.tokens.finalized
-        if isinstance(rec, StepRecord):  # copied whole while any of its trajectories lives (replay skips the rest)
+            return rec.traj_id not in self.tokens.finalized and not cuts.is_cut(self._cuts, rec.traj_id, rec.start, rec.lsn)
+        if isinstance(rec, StepRecord):  # copied while any of its items lives, without the others (`_live_items`)
+            if self._cuts:
+                return any(self._live_item(t, p, rec.lsn) for t, p in zip(rec.traj_ids, rec.starts))
             return not self.tokens.finalized.issuperset(rec.traj_ids)
         if isinstance(rec, (EnvInvokeRecord, EnvResultRecord)):
             return rec.sandbox_id not in self.env.released
         return False  # finalize and release records only matter while older records of their id exist
+
+    def _live_item(self, traj_id: str, start: int, lsn: int) -> bool:
+        return traj_id not in self.tokens.finalized and not cuts.is_cut(self._cuts, traj_id, start, lsn)
 
     def reclaim(self, lookahead: int = 16) -> int:
         """Delete or compact old segments now; returns how many segments were removed.
@@ -407,7 +453,7 @@ class Store:
 
     def _compact(self, base: int, recs: list[Record]) -> None:
         with self.mutex:  # liveness re-checked under the mutex: a finalize cannot slip between check and copy
-            live = [_live_items(r, self.tokens.finalized) if type(r) is StepRecord else r for r in recs if self._live(r)]
+            live = [_live_items(r, self._live_item) if type(r) is StepRecord else r for r in recs if self._live(r)]
             for r in live:
                 self.log.append_locked(lambda lsn, mark, r=r: codec.encode(r, lsn, mark))
             self.copied_records += len(live)
@@ -475,9 +521,10 @@ class Store:
         self.log.close()
 
 
-def _live_items(rec: StepRecord, finalized: set[str]) -> StepRecord:
-    """The step without the items of finalized trajectories: a copy must not outlive their finalize record."""
-    keep = [i for i, t in enumerate(rec.traj_ids) if t not in finalized]
+def _live_items(rec: StepRecord, live) -> StepRecord:
+    """The step without its dead items (`live(traj_id, start, lsn)` false: a finalized trajectory's, whose copy
+    must not outlive its finalize record, or one a repair cut, whose copy would escape the cut)."""
+    keep = [i for i, (t, p) in enumerate(zip(rec.traj_ids, rec.starts)) if live(t, p, rec.lsn)]
     if len(keep) == len(rec.traj_ids):
         return rec
     tok, lp = bytes(rec.tokens), bytes(rec.logprobs)

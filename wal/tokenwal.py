@@ -80,11 +80,13 @@ class TokenWAL(TokenLog):
         """Number of committed tokens (where a resumed decode continues)."""
         s = self._store
         with s.mutex:
+            s.log.check_open()
             return s.tokens.read(traj_id, s.log.durable_lsn)[1]
 
     def trajectories(self) -> list[str]:
         s = self._store
         with s.mutex:
+            s.log.check_open()
             durable = s.log.durable_lsn
             return sorted(t for t, traj in s.tokens.trajs.items() if traj.settle(durable) > 0)
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 import wal
-from wal import codec, segments
+from wal import codec, cuts, segments
 from wal.verify import verify
 
 
@@ -162,4 +162,57 @@ def test_torn_segment_header_is_cut(tmp_path):
     assert w.recovery.torn_bytes_cut == 7
     assert {t: w.length(t) for t in w.trajectories()} == lengths
     assert segments.list_segments(tmp_path)[-1][0] == last_base
+    w.close()
+
+
+def _hole(d, extra: int = 0):
+    """A segment of valid frames leaving a hole in trajectory A: positions 0..1, then 5..6 (the records of
+    2..4 lost, as with a segment file gone), and `extra` records of trajectory B after them."""
+    tok = lambda *t: codec.pack_tokens(list(t))  # noqa: E731
+    lp = lambda n: codec.pack_logprobs([-0.5] * n, n)  # noqa: E731
+    d.mkdir()
+    frames = [codec.encode_segment_header(0), codec.encode_tokens(0, "A", 0, 0, tok(1, 2), lp(2), codec.FLUSH_MARK),
+              codec.encode_tokens(1, "A", 5, 0, tok(6, 7), lp(2))]
+    frames += [codec.encode_tokens(2 + i, "B", i, 0, tok(i), lp(1)) for i in range(extra)]
+    (d / segments.segment_name(0)).write_bytes(b"".join(frames))
+
+
+def test_a_repaired_hole_stays_cut_after_the_trajectory_goes_on_past_it(tmp_path):
+    """Repair keeps A's prefix and records the cut durably; the writer goes on from the prefix over the cut
+    positions with other tokens; later opens, plain or repairing, see what the writer wrote."""
+    d = tmp_path / "w"
+    _hole(d)
+    with pytest.raises(wal.CorruptionError, match="hole"):
+        wal.open(d)
+    w = wal.open(d, repair=True)
+    assert w.tokens("A") == [1, 2] and w.recovery.repaired and (d / cuts.FILE_NAME).is_file()
+    w.append("A", 2, [3, 4, 5, 60, 70], [-0.5] * 5, 0)
+    w.commit()
+    w.close()
+    for repair in (False, True):
+        w = wal.open(d, repair=repair)
+        assert w.tokens("A") == [1, 2, 3, 4, 5, 60, 70] and not w.recovery.repaired
+        w.close()
+
+
+def test_retention_never_copies_a_cut_record_forward(tmp_path):
+    """Compaction copies the live records of the oldest segment to the head under new lsns; a cut record
+    copied so would escape its cut. The segment holding the cut goes; the log opens plain afterwards."""
+    d = tmp_path / "w"
+    _hole(d, extra=3)
+    cfg = wal.WALConfig(segment_bytes=4096, preallocate_bytes=4096, retain_bytes=0, recycle_segments=False)
+    w = wal.open(d, cfg, repair=True)
+    w.append("A", 2, [3, 4, 5], [-0.5] * 3, 0)  # up to the cut's first position, not over it
+    w.commit()
+    for i in range(60):  # roll past the first segment
+        w.append("B", 3 + 16 * i, [i] * 16, [-0.5] * 16, 0)
+        w.commit()
+    for _ in range(4):  # retain_bytes=0: every pass compacts the oldest sealed segments, copies included
+        if segments.segment_name(0) not in [p.name for p in d.iterdir()]:
+            break
+        w.reclaim()
+    assert segments.segment_name(0) not in [p.name for p in d.iterdir()], "the segment holding the cut is gone"
+    w.close()
+    w = wal.open(d, cfg)  # a copy of A@5..6 would be deferred here and resurrect tokens the writer never saw
+    assert w.tokens("A") == [1, 2, 3, 4, 5] and len(w.tokens("B")) == 3 + 60 * 16
     w.close()

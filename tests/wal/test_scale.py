@@ -7,6 +7,7 @@ import threading
 import pytest
 
 import wal
+from wal import codec
 from wal.config import ServeConfig
 from wal.server import Server
 from wal.sharded import ShardedWAL, parse_addresses, shard_of
@@ -88,6 +89,30 @@ def test_sharded_log_routes_by_trajectory_and_reads_back(tmp_path):
         again = wal.connect(spec, retry_s=10)
         assert [again.tokens(t) for t in ids[2:]] == [[i] for i in range(2, 30)]
         again.close()
+    finally:
+        for s in servers:
+            s.stop(0)
+
+
+def test_a_sharded_step_is_checked_whole_before_any_shard_gets_its_part(tmp_path):
+    """A NaN in the part of a later shard: no shard queues anything, so the next commit writes nothing."""
+    servers = [Server(tmp_path / f"s{k}", ServeConfig(port=0)) for k in range(2)]
+    try:
+        log = wal.connect(",".join(s.address for s in servers), retry_s=10)
+        ids = [f"traj{i}" for i in range(8)]
+        assert len({shard_of(t, 2) for t in ids}) == 2
+        lps = [-0.1] * 8
+        lps[max(range(8), key=lambda i: (shard_of(ids[i], 2), i))] = float("nan")  # on the shard served last
+        with pytest.raises(codec.CodecError, match="NaN"):
+            log.append_step(ids, [0] * 8, list(range(8)), lps, 0)
+        with pytest.raises(codec.CodecError, match="policy_version"):
+            log.append_step(ids, [0] * 8, list(range(8)), [-0.1] * 8, 2 ** 64)
+        log.commit()
+        assert log.trajectories() == []
+        log.append_step(ids, [0] * 8, list(range(8)), [-0.1] * 8, 0)
+        log.commit()
+        assert [log.tokens(t) for t in ids] == [[i] for i in range(8)]
+        log.close()
     finally:
         for s in servers:
             s.stop(0)

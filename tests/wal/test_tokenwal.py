@@ -419,3 +419,38 @@ def test_finalize_many_is_one_commit_and_survives_a_reopen(tmp_path):
     with pytest.raises(wal.FinalizedError):
         w.append("t3", 3, [4], [-0.5], 0)
     w.close()
+
+
+def test_a_step_naming_a_trajectory_twice_is_checked_whole_before_anything_is_written(tmp_path):
+    w = wal.open(tmp_path / "w")
+    before = w.stats()["next_lsn"]
+    with pytest.raises(wal.GapError):  # e's two items are fine; f's leaves a gap: nothing of the step is written
+        w.append_step(["e", "e", "f"], [0, 1, 5], [10, 11, 12], [-0.1, -0.2, -0.3], 0)
+    with pytest.raises(wal.ConflictError, match="twice"):  # one position, two tokens
+        w.append_step(["e", "e"], [0, 0], [10, 11], [-0.1, -0.2], 0)
+    with pytest.raises(wal.GapError):  # the second item skips past the first
+        w.append_step(["e", "e"], [0, 2], [10, 11], [-0.1, -0.2], 0)
+    w.commit()
+    assert w.stats()["next_lsn"] == before and w.tokens("e") == [] and w.trajectories() == []
+    w.append_step(["e", "e", "f", "e"], [0, 1, 0, 1], [10, 11, 12, 11], [-0.1, -0.2, -0.3, -0.2], 0)  # a repeat too
+    w.append_step(["e", "f", "e"], [1, 1, 2], [11, 13, 14], [-0.2, -0.4, -0.5], 0)  # a repeat of the log, then new
+    w.commit()
+    assert w.tokens("e") == [10, 11, 14] and w.tokens("f") == [12, 13] and w.logprobs("f") == [-0.3, -0.4]
+    w.close()
+
+
+def test_values_out_of_range_or_of_the_wrong_kind_are_refused_by_name(tmp_path):
+    w = wal.open(tmp_path / "w")
+    for call in (lambda: w.append("t", 0, [1], [-0.1], 2 ** 64), lambda: w.append_step(["t"], [0], [1], [-0.1], 2 ** 64)):
+        with pytest.raises(codec.CodecError, match="policy_version"):
+            call()
+    w.append("t", 0, [1], [-0.1], 2 ** 64 - 1)  # the largest a record holds
+    for bad in (["-0.5"], [b"3"], [None]):  # never parsed as numbers
+        with pytest.raises(codec.CodecError, match="floats"):
+            w.append("t", 1, [2], bad, 0)
+    w.commit()
+    assert w.tokens("t") == [1] and w.policy_versions("t") == [2 ** 64 - 1]
+    w.close()
+    for read in (lambda: w.length("t"), w.trajectories, lambda: w.tokens("t")):  # a closed log answers nothing
+        with pytest.raises(wal.LogClosedError):
+            read()
