@@ -273,3 +273,16 @@ def test_the_split_counts_the_fixed_cost_of_a_head_prefill():
         rate_only.observe_prefill(3072, 0.0064 + 3072 * 3e-6)
     rate_only.observe_read(bpt * 5120, 5120 * 6e-6, cached=False)
     assert rate_only.start(n, block, bpt, False) == 4096
+
+
+def test_a_split_that_would_cost_more_than_the_whole_read_reads_whole():
+    """A 2k-token snapshot on an H100 host: the middle split's head took 29.5 ms (the prefill's fixed part)
+    and its 1k-token tail 11.8 ms cold. Split again it would take ~29.5 ms, read whole ~23.6: it reads whole.
+    An 8k snapshot still splits: by the same rates 2k + 6k take ~71 ms, a whole read ~94."""
+    bpt = 12 * 1024
+    policy = restore.SplitPolicy()
+    assert policy.start(2048, 1024, bpt, False) == 1024  # nothing measured: the middle
+    policy.observe_prefill(1024, 0.0295)
+    policy.observe_read(1024 * bpt, 0.0118, cached=False)
+    assert policy.start(2048, 1024, bpt, False) == 0
+    assert policy.start(8192, 1024, bpt, False) == 2048
