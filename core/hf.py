@@ -50,13 +50,22 @@ def load_tokenizer(path: str | Path):
 
 
 def load_policy(path: str | Path, dtype=None):
-    """Model and tokenizer from an HF checkpoint directory (safetensors), or a run directory's final/."""
+    """Model and tokenizer from an HF checkpoint directory (safetensors), or a run directory's final/.
+    UserError, naming the checkpoint, when it does not load, or when its weights do not fit its config
+    (a tensor missing, left over or of another shape): such a model would be partly random."""
     import torch
     from transformers import AutoModelForCausalLM
 
     path = resolve_checkpoint(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa",
-                                                 use_safetensors=True)
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, attn_implementation="sdpa",
+                                                           use_safetensors=True, output_loading_info=True)
+    except Exception as exc:  # a truncated safetensors file, a config value the model class cannot build with
+        raise UserError(f"checkpoint {path}: does not load ({type(exc).__name__}: {str(exc).splitlines()[0][:300]})") from exc
+    bad = {k: sorted(map(str, info.get(k) or ()))[:5] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+    if any(bad.values()):
+        raise UserError(f"checkpoint {path}: its weights do not fit its config.json "
+                        + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in bad.items() if v))
     return model, load_tokenizer(path)
 
 

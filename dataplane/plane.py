@@ -11,7 +11,7 @@ import numpy as np
 
 from dataplane import codec, planner
 from dataplane.catalog import Catalog
-from dataplane.errors import BadRecordError, StaleRowError
+from dataplane.errors import BadRecordError, DataPlaneError, StaleRowError
 from dataplane.streaming import Loader
 from dataplane.store import ShardStore
 from dataplane.types import STATUSES, Plan, Selection, TrajectoryRecord
@@ -157,9 +157,12 @@ class DataPlane:
     def gc(self, min_age_s: float = 3600.0) -> dict:
         """Delete shard files no trajectory needs: shards whose rows were all deleted, and orphans of
         interrupted puts older than `min_age_s` (younger ones may belong to a put in flight)."""
-        dropped = self.catalog.drop_empty_shards()
+        dropped, refused = self.catalog.drop_empty_shards(), []
         for rel in dropped:
-            self.store.delete(rel)
+            try:
+                self.store.delete(rel)
+            except DataPlaneError:  # a catalog row naming a path outside the store: nothing there is deleted
+                refused.append(rel)
         known = {p for _, p, *_ in self.catalog.shard_rows()}
         orphans = []
         now = time.time()
@@ -171,6 +174,10 @@ class DataPlane:
             if age >= min_age_s:
                 self.store.delete(rel)
                 orphans.append(rel)
+        if refused:
+            raise DataPlaneError(f"gc: the catalog named shard paths outside the store, left alone: {refused[:5]} "
+                                 f"({len(refused)} in all); {len(dropped) - len(refused)} empty shards and "
+                                 f"{len(orphans)} orphans deleted")
         return {"empty_shards_deleted": dropped, "orphans_deleted": orphans}
 
     def close(self) -> None:

@@ -21,7 +21,7 @@ import pyarrow.ipc as ipc
 
 from core import fileio
 from core.atomic import write_atomic
-from dataplane.errors import ChecksumError, ShardMissingError
+from dataplane.errors import ChecksumError, DataPlaneError, ShardMissingError
 from dataplane.remote import RemoteStore, is_uri
 
 
@@ -76,11 +76,16 @@ class ShardStore:
             self.fs.create_dir(self.base, recursive=True)
 
     def full_path(self, rel: str) -> str:
+        """Where the shard (or shard directory) `rel` of the catalog lives. A catalog row is data: a path that
+        could name anything outside the store's `shards/` (absolute, `..`, empty parts) is refused."""
+        parts = rel.split("/") if isinstance(rel, str) else []
+        if len(parts) < 2 or parts[0] != "shards" or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+            raise DataPlaneError(f"shard path {rel!r} is not a path under the store's shards/ directory")
         return f"{self.base}/{rel}"
 
     @staticmethod
     def new_path(run: str) -> str:
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:64] or "run"
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run)[:64].strip(".") or "run"
         return f"shards/{safe}/{uuid.uuid4().hex}.arrow"
 
     # -- write ---------------------------------------------------------------------------------------

@@ -65,6 +65,29 @@ def test_stats_and_delete(any_dp):
     assert any_dp.stats()["shards"] == 1 and len(any_dp.store.list()) == 1
 
 
+def test_a_catalog_row_naming_a_path_outside_the_store_is_refused(sqlite_dp, tmp_path):
+    """A shard path is catalog data: one edited to climb out of the store is never deleted by gc nor read,
+    and the rest of gc's work is done."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not a shard")
+    recs = make_records(20)
+    sqlite_dp.put(recs[:10])
+    sqlite_dp.put(recs[10:])
+    first = sqlite_dp.store.list()[0]
+    with sqlite_dp.catalog.engine.begin() as conn:
+        conn.execute(text("UPDATE dp_shards SET path = '../victim.txt' WHERE path = :p"), {"p": first})
+    with pytest.raises(dataplane.DataPlaneError, match="not a path under the store"):
+        sqlite_dp.verify_shards()
+    sqlite_dp.delete([r.id for r in recs])
+    with pytest.raises(dataplane.DataPlaneError, match=r"outside the store.*1 empty shards"):
+        sqlite_dp.gc(min_age_s=3600)
+    assert victim.read_text() == "not a shard" and sqlite_dp.stats()["shards"] == 0
+    for rel in ("/etc/passwd", "shards/../../x.arrow", "shards//x.arrow", "x.arrow", "shards"):
+        with pytest.raises(dataplane.DataPlaneError):
+            sqlite_dp.store.full_path(rel)
+    assert sqlite_dp.store.new_path("..").startswith("shards/run/")
+
+
 def test_policy_versions(sqlite_dp):
     sqlite_dp.publish_policy_version("run-z", 7, "ckpt/7")
     sqlite_dp.publish_policy_version("run-z", 7, "ckpt/7b")
