@@ -309,13 +309,19 @@ class RemoteWAL(TokenLog):
         ids = list(dict.fromkeys(traj_ids))
         out: dict[str, Committed | None] = {}
         while self._batched and len(out) < len(ids):
+            ask, room = [], self._max_msg // 2  # a request within the message bound, however many ids
+            for t in ids[len(out):]:
+                room -= len(codec._id_bytes(t, "traj_id")) + 4
+                if ask and room < 0:
+                    break
+                ask.append(t)
             try:
-                rep = self._call("ReadMany", pb.ReadManyRequest(traj_ids=ids[len(out):]))
+                rep = self._call("ReadMany", pb.ReadManyRequest(traj_ids=ask))
             except _Unimplemented:
                 self._batched = False
                 break
-            if not rep.items:
-                raise RemoteError(f"WAL service {self.address} answered ReadMany of {len(ids) - len(out)} ids with none")
+            if not rep.items or len(rep.items) > len(ask):
+                raise RemoteError(f"WAL service {self.address} answered ReadMany of {len(ask)} ids with {len(rep.items)}")
             for it in rep.items:
                 if it.traj_id != ids[len(out)]:
                     raise RemoteError(f"WAL service {self.address} answered ReadMany out of order "
@@ -355,7 +361,15 @@ class RemoteWAL(TokenLog):
         return rep.committed_length
 
     def trajectories(self) -> list[str]:
-        return list(self._call("Trajectories", pb.TrajectoriesRequest()).traj_ids)
+        """Every unfinalized trajectory, in pages of about half the service's message bound."""
+        out: list[str] = []
+        while True:
+            rep = self._call("Trajectories", pb.TrajectoriesRequest(after=out[-1] if out else "", paged=True))
+            if rep.more and not rep.traj_ids:
+                raise RemoteError(f"WAL service {self.address} answered a page of Trajectories with none")
+            out += rep.traj_ids
+            if not rep.more:
+                return out
 
     def _commit_pending(self) -> None:
         """Appends queued or unacknowledged before a finalize must land before it."""

@@ -25,6 +25,7 @@ or copy megabytes).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import hmac
 import ipaddress
 import json
@@ -152,20 +153,25 @@ class TokenLogService:
         return pb.ReadReply(tokens=tok, logprobs=lp, policy_versions=versions, from_position=min(lo, n), committed_length=n)
 
     def _read_many(self, traj_ids) -> pb.ReadManyReply:
-        """Whole trajectories in request order while they fit in serve.max_read_tokens tokens; the first one
-        always comes, cut at that bound if it is longer (the client reads the rest of it with Read)."""
-        items, budget = [], self.serve.max_read_tokens
+        """Whole trajectories in request order while they fit in serve.max_read_tokens tokens and half the
+        message bound in bytes; the first one always comes, cut at the token bound if it is longer (the
+        client reads the rest of it with Read)."""
+        items, budget, room = [], self.serve.max_read_tokens, self.serve.max_message_bytes // 2
         for traj_id in traj_ids:
             try:
                 tok, lp, versions, n = self.wal.read_packed(traj_id, 0, budget)
             except FinalizedError:
-                items.append(pb.TrajectoryRead(traj_id=traj_id, finalized=True))
-                continue
-            if items and n > budget:
-                break  # the next reply starts with it
-            items.append(pb.TrajectoryRead(traj_id=traj_id, tokens=tok, logprobs=lp, policy_versions=versions,
-                                           committed_length=n))
-            budget -= len(tok) // 4
+                item = pb.TrajectoryRead(traj_id=traj_id, finalized=True)
+            else:
+                if items and n > budget:
+                    break  # the next reply starts with it
+                item = pb.TrajectoryRead(traj_id=traj_id, tokens=tok, logprobs=lp, policy_versions=versions,
+                                         committed_length=n)
+                budget -= len(tok) // 4
+            room -= item.ByteSize() + 8
+            if items and room < 0:
+                break
+            items.append(item)
         return pb.ReadManyReply(items=items)
 
     async def ReadMany(self, raw, context):
@@ -183,8 +189,18 @@ class TokenLogService:
             await self._fail(context, exc)
 
     async def Trajectories(self, raw, context):
-        await _parse(pb.TrajectoriesRequest, raw, context)
-        return pb.TrajectoriesReply(traj_ids=await self._blocking(self.wal.trajectories))
+        req = await _parse(pb.TrajectoriesRequest, raw, context)
+        ids = await self._blocking(self.wal.trajectories)  # sorted
+        if not req.paged:
+            return pb.TrajectoriesReply(traj_ids=ids)
+        start = bisect.bisect_right(ids, req.after) if req.after else 0
+        end, room = start, self.serve.max_message_bytes // 2
+        while end < len(ids):
+            room -= len(ids[end].encode()) + 4
+            if end > start and room < 0:
+                break
+            end += 1
+        return pb.TrajectoriesReply(traj_ids=ids[start:end], more=end < len(ids))
 
     async def Finalize(self, raw, context):
         req = await _parse(pb.FinalizeRequest, raw, context)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rwal/wal.proto\x12\x0fpostrain.wal.v1\"f\n\nTokenChunk\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\"j\n\tStepChunk\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12\x0e\n\x06tokens\x18\x03 \x01(\x0c\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\"\x89\x01\n\rAppendRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12+\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1b.postrain.wal.v1.TokenChunk\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\x08\x12)\n\x05steps\x18\x04 \x03(\x0b\x32\x1a.postrain.wal.v1.StepChunk\"G\n\tAppendAck\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x64urable_lsn\x18\x02 \x01(\x03\x12\x13\n\x0btakes_steps\x18\x03 \x01(\x08\"5\n\x0bReadRequest\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x15\n\rfrom_position\x18\x02 \x01(\x04\"w\n\tReadReply\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x10\n\x08logprobs\x18\x02 \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x04\x12\x15\n\rfrom_position\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\"#\n\x0fReadManyRequest\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"\x89\x01\n\x0eTrajectoryRead\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x04\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\x12\x11\n\tfinalized\x18\x06 \x01(\x08\"?\n\rReadManyReply\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.postrain.wal.v1.TrajectoryRead\"\x15\n\x13TrajectoriesRequest\"%\n\x11TrajectoriesReply\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"\"\n\x0f\x46inalizeRequest\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\"\'\n\x13\x46inalizeManyRequest\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"\"\n\x0b\x43ommitReply\x12\x13\n\x0b\x64urable_lsn\x18\x01 \x01(\x03\"\x0e\n\x0cStatsRequest\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xa3\x04\n\x08TokenLog\x12H\n\x06\x41ppend\x12\x1e.postrain.wal.v1.AppendRequest\x1a\x1a.postrain.wal.v1.AppendAck(\x01\x30\x01\x12@\n\x04Read\x12\x1c.postrain.wal.v1.ReadRequest\x1a\x1a.postrain.wal.v1.ReadReply\x12X\n\x0cTrajectories\x12$.postrain.wal.v1.TrajectoriesRequest\x1a\".postrain.wal.v1.TrajectoriesReply\x12J\n\x08\x46inalize\x12 .postrain.wal.v1.FinalizeRequest\x1a\x1c.postrain.wal.v1.CommitReply\x12L\n\x08ReadMany\x12 .postrain.wal.v1.ReadManyRequest\x1a\x1e.postrain.wal.v1.ReadManyReply\x12R\n\x0c\x46inalizeMany\x12$.postrain.wal.v1.FinalizeManyRequest\x1a\x1c.postrain.wal.v1.CommitReply\x12\x43\n\x05Stats\x12\x1d.postrain.wal.v1.StatsRequest\x1a\x1b.postrain.wal.v1.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rwal/wal.proto\x12\x0fpostrain.wal.v1\"f\n\nTokenChunk\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x04\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x04\x12\x0e\n\x06tokens\x18\x04 \x01(\x0c\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\"j\n\tStepChunk\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\x12\x11\n\tpositions\x18\x02 \x01(\x0c\x12\x0e\n\x06tokens\x18\x03 \x01(\x0c\x12\x10\n\x08logprobs\x18\x04 \x01(\x0c\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x04\"\x89\x01\n\rAppendRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12+\n\x06\x63hunks\x18\x02 \x03(\x0b\x32\x1b.postrain.wal.v1.TokenChunk\x12\x0e\n\x06\x63ommit\x18\x03 \x01(\x08\x12)\n\x05steps\x18\x04 \x03(\x0b\x32\x1a.postrain.wal.v1.StepChunk\"G\n\tAppendAck\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x64urable_lsn\x18\x02 \x01(\x03\x12\x13\n\x0btakes_steps\x18\x03 \x01(\x08\"5\n\x0bReadRequest\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x15\n\rfrom_position\x18\x02 \x01(\x04\"w\n\tReadReply\x12\x0e\n\x06tokens\x18\x01 \x01(\x0c\x12\x10\n\x08logprobs\x18\x02 \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\x03 \x03(\x04\x12\x15\n\rfrom_position\x18\x04 \x01(\x04\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\"#\n\x0fReadManyRequest\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"\x89\x01\n\x0eTrajectoryRead\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x01(\x0c\x12\x10\n\x08logprobs\x18\x03 \x01(\x0c\x12\x17\n\x0fpolicy_versions\x18\x04 \x03(\x04\x12\x18\n\x10\x63ommitted_length\x18\x05 \x01(\x04\x12\x11\n\tfinalized\x18\x06 \x01(\x08\"?\n\rReadManyReply\x12.\n\x05items\x18\x01 \x03(\x0b\x32\x1f.postrain.wal.v1.TrajectoryRead\"3\n\x13TrajectoriesRequest\x12\r\n\x05\x61\x66ter\x18\x01 \x01(\t\x12\r\n\x05paged\x18\x02 \x01(\x08\"3\n\x11TrajectoriesReply\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\x12\x0c\n\x04more\x18\x02 \x01(\x08\"\"\n\x0f\x46inalizeRequest\x12\x0f\n\x07traj_id\x18\x01 \x01(\t\"\'\n\x13\x46inalizeManyRequest\x12\x10\n\x08traj_ids\x18\x01 \x03(\t\"\"\n\x0b\x43ommitReply\x12\x13\n\x0b\x64urable_lsn\x18\x01 \x01(\x03\"\x0e\n\x0cStatsRequest\"\x1a\n\nStatsReply\x12\x0c\n\x04json\x18\x01 \x01(\t2\xa3\x04\n\x08TokenLog\x12H\n\x06\x41ppend\x12\x1e.postrain.wal.v1.AppendRequest\x1a\x1a.postrain.wal.v1.AppendAck(\x01\x30\x01\x12@\n\x04Read\x12\x1c.postrain.wal.v1.ReadRequest\x1a\x1a.postrain.wal.v1.ReadReply\x12X\n\x0cTrajectories\x12$.postrain.wal.v1.TrajectoriesRequest\x1a\".postrain.wal.v1.TrajectoriesReply\x12J\n\x08\x46inalize\x12 .postrain.wal.v1.FinalizeRequest\x1a\x1c.postrain.wal.v1.CommitReply\x12L\n\x08ReadMany\x12 .postrain.wal.v1.ReadManyRequest\x1a\x1e.postrain.wal.v1.ReadManyReply\x12R\n\x0c\x46inalizeMany\x12$.postrain.wal.v1.FinalizeManyRequest\x1a\x1c.postrain.wal.v1.CommitReply\x12\x43\n\x05Stats\x12\x1d.postrain.wal.v1.StatsRequest\x1a\x1b.postrain.wal.v1.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,19 +50,19 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_READMANYREPLY']._serialized_start=812
   _globals['_READMANYREPLY']._serialized_end=875
   _globals['_TRAJECTORIESREQUEST']._serialized_start=877
-  _globals['_TRAJECTORIESREQUEST']._serialized_end=898
-  _globals['_TRAJECTORIESREPLY']._serialized_start=900
-  _globals['_TRAJECTORIESREPLY']._serialized_end=937
-  _globals['_FINALIZEREQUEST']._serialized_start=939
-  _globals['_FINALIZEREQUEST']._serialized_end=973
-  _globals['_FINALIZEMANYREQUEST']._serialized_start=975
-  _globals['_FINALIZEMANYREQUEST']._serialized_end=1014
-  _globals['_COMMITREPLY']._serialized_start=1016
-  _globals['_COMMITREPLY']._serialized_end=1050
-  _globals['_STATSREQUEST']._serialized_start=1052
-  _globals['_STATSREQUEST']._serialized_end=1066
-  _globals['_STATSREPLY']._serialized_start=1068
-  _globals['_STATSREPLY']._serialized_end=1094
-  _globals['_TOKENLOG']._serialized_start=1097
-  _globals['_TOKENLOG']._serialized_end=1644
+  _globals['_TRAJECTORIESREQUEST']._serialized_end=928
+  _globals['_TRAJECTORIESREPLY']._serialized_start=930
+  _globals['_TRAJECTORIESREPLY']._serialized_end=981
+  _globals['_FINALIZEREQUEST']._serialized_start=983
+  _globals['_FINALIZEREQUEST']._serialized_end=1017
+  _globals['_FINALIZEMANYREQUEST']._serialized_start=1019
+  _globals['_FINALIZEMANYREQUEST']._serialized_end=1058
+  _globals['_COMMITREPLY']._serialized_start=1060
+  _globals['_COMMITREPLY']._serialized_end=1094
+  _globals['_STATSREQUEST']._serialized_start=1096
+  _globals['_STATSREQUEST']._serialized_end=1110
+  _globals['_STATSREPLY']._serialized_start=1112
+  _globals['_STATSREPLY']._serialized_end=1138
+  _globals['_TOKENLOG']._serialized_start=1141
+  _globals['_TOKENLOG']._serialized_end=1688
 # @@protoc_insertion_point(module_scope)

@@ -85,6 +85,23 @@ def test_read_many_over_grpc_is_one_round_trip_within_the_read_bound(served, mon
     c.close()
 
 
+def test_listing_and_reading_more_ids_than_one_message_holds_come_in_pages(served, monkeypatch):
+    """3,000 trajectories with 100-byte ids: 300 kB of ids against a 64 kB message bound on both sides. The
+    list and the batched read come whole, in several calls, where one reply or request used to exceed the
+    bound (RESOURCE_EXHAUSTED)."""
+    srv = served(max_message_bytes=1 << 16)
+    log = wal.connect(srv.address, retry_s=10, max_message_bytes=1 << 16)
+    ids = [f"{i:05d}-" + "x" * 94 for i in range(3000)]
+    for k in range(0, len(ids), 500):
+        log.append_step(ids[k:k + 500], [0] * 500, list(range(k, k + 500)), [-0.5] * 500, 0)
+        log.commit()
+    calls = _count_calls(log, monkeypatch)
+    assert log.trajectories() == ids and calls["Trajectories"] >= 5
+    got = log.read_many(ids)
+    assert [got[t].tokens for t in ids] == [[i] for i in range(3000)] and calls["ReadMany"] >= 5
+    log.close()
+
+
 def test_finalize_many_over_grpc_commits_once_and_commits_queued_appends_first(served, monkeypatch):
     srv = served()
     c = wal.connect(srv.address, retry_s=5)
