@@ -132,7 +132,7 @@ class ShardStore:
             if reader.num_record_batches != 1:
                 raise pa.ArrowInvalid(f"{reader.num_record_batches} record batches, expected 1")
             batch = reader.get_batch(0)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError) as exc:  # any Arrow error: a damaged footer raises several kinds
             source.close()
             if f is not None:
                 f.close()

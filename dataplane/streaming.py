@@ -42,6 +42,9 @@ class _ShardIndex:
 
     def __init__(self, shard: MappedShard):
         id_col, cols = decode(shard.batch)
+        wrong = [n for n, dt in CORE_DTYPES.items() if n not in cols or cols[n].spec.dtype != dt]
+        if wrong:  # a damaged schema can rename a column or change its type and still parse
+            raise ValueError(f"core columns {wrong} missing or of another type")
         _, id_off, id_data = id_col.buffers()
         off = np.frombuffer(id_off, dtype=np.int32)[id_col.offset:id_col.offset + len(id_col) + 1]
         self.n_rows = len(id_col)
@@ -72,6 +75,13 @@ class OpenShards:
         shard = self.store.map(rel, who)
         try:
             index = _ShardIndex(shard)
+        except DataPlaneError:
+            shard.close()
+            raise
+        except Exception as exc:  # a footer that parses as Arrow but not as our columns: damage the file check missed
+            shard.close()
+            raise ChecksumError(f"shard file {self.store.full_path(rel)} (needed by {who}) is not a readable shard "
+                                f"(corrupt or truncated): {type(exc).__name__}: {exc}") from None
         except BaseException:
             shard.close()
             raise

@@ -62,6 +62,31 @@ def test_flip_in_a_column_not_asked_for_is_caught(sqlite_dp):
         list(sqlite_dp.loader(plan))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_flipped_bit_in_a_shard_footer_is_a_data_plane_error(sqlite_dp, seed):
+    """150 seeded single-bit flips in a shard's last 700 bytes (schema, footer, metadata): each load either
+    succeeds or fails with a DataPlaneError naming the file, never with whatever the parser raised."""
+    recs = make_records(8, extras=True, seed=seed)
+    sqlite_dp.put(recs)
+    plan = sqlite_dp.plan(tokens_per_rank=10_000)
+    path = _only_shard(sqlite_dp)
+    pristine = path.read_bytes()
+    rng = np.random.default_rng(seed)
+    raised = 0
+    for pos in rng.integers(max(0, len(pristine) - 700), len(pristine), 150):
+        data = bytearray(pristine)
+        data[pos] ^= 1 << int(rng.integers(0, 8))
+        path.write_bytes(bytes(data))
+        try:
+            for _ in sqlite_dp.loader(plan, prefetch=0, extras=["hidden", "score"]):
+                pass
+        except dataplane.DataPlaneError as exc:
+            assert str(path) in str(exc)
+            raised += 1
+    path.write_bytes(pristine)
+    assert raised > 0
+
+
 def test_bytes_delivered_are_the_stored_bytes_of_the_planned_ranges(sqlite_dp):
     recs = make_records(40, max_len=700)
     sqlite_dp.put(recs)
