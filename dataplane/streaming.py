@@ -138,7 +138,7 @@ class BufferPool:
     """Output buffers reused across minibatches, to skip the page faults of fresh allocations. A buffer
     is handed out again only when nothing but the pool refers to it (every tensor and view of a batch
     holds a reference), so a batch the caller keeps is never overwritten. Buffers hold `capacity`
-    tokens (the plan's per-rank budget, so any bin fits); at most `limit` per field, beyond that fresh
+    tokens (the rank's largest bin in the plan, so any of its bins fits); at most `limit` per field, beyond that fresh
     arrays that are simply freed."""
 
     def __init__(self, limit: int, capacity: int):
@@ -204,7 +204,12 @@ class Loader:
         self.bytes_delivered = 0  # heavy bytes (as stored) of the ranges packed into batches
         self._stop = threading.Event()
         self._specs: dict[str, tuple] = {}
-        self._pool = BufferPool(limit=prefetch + 2, capacity=plan.tokens_per_rank)  # a bin never holds more
+        # buffers sized by this rank's largest bin (never more than tokens_per_rank), not by the budget: a
+        # budget of 2^30 tokens over a small plan would otherwise allocate gigabytes
+        per_rank = plan.rank_tokens()[:, rank] if plan.num_minibatches else np.zeros(0, np.int64)
+        mine = [m for m in self.minibatches if 0 <= m < plan.num_minibatches]  # others fail in `build`, by name
+        self._max_tokens = int(per_rank[mine].max()) if mine else 0
+        self._pool = BufferPool(limit=prefetch + 2, capacity=self._max_tokens)
         # background threads building minibatches at once: never more than may be alive anyway
         self.threads = max(1, min(threads, prefetch + 1)) if prefetch else 1
         self._local = threading.local()
@@ -237,7 +242,7 @@ class Loader:
         n_tok = int(seg_len.sum())
         cu = np.concatenate([[0], np.cumsum(seg_len)]).astype(np.int32)
         if st.stage.shape[0] < n_tok:  # token ids as stored, widened to int64 in one pass below
-            st.stage = np.empty(max(n_tok, p.tokens_per_rank), dtype=np.int32)
+            st.stage = np.empty(max(n_tok, self._max_tokens), dtype=np.int32)
         ids = self._pool.take("tokens", n_tok, np.int64)
         mask = self._pool.take("loss_mask", n_tok, np.uint8)
         logp = self._pool.take("logprobs", n_tok, np.float32)
@@ -263,7 +268,7 @@ class Loader:
         pos = self._pool.take("position_ids", n_tok, np.int64)
         if 0 < traj.size <= 256:  # few segments: one pass each, iota + offset
             if st.iota.shape[0] < n_tok:
-                st.iota = np.arange(max(n_tok, p.tokens_per_rank), dtype=np.int64)
+                st.iota = np.arange(max(n_tok, self._max_tokens), dtype=np.int64)
             for a, b, lo in zip(cu[:-1].tolist(), cu[1:].tolist(), start.tolist()):
                 np.add(st.iota[:b - a], lo, out=pos[a:b])
         elif n_tok:  # pos[i] = i - cu[k] + start[k] inside segment k, as a running sum of steps

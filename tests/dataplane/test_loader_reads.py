@@ -87,6 +87,22 @@ def test_a_flipped_bit_in_a_shard_footer_is_a_data_plane_error(sqlite_dp, seed):
     assert raised > 0
 
 
+def test_the_loader_s_memory_follows_the_data_not_the_token_budget(sqlite_dp):
+    """A budget of 2^28 tokens per rank over a few thousand tokens: the loader's buffers are sized by the
+    largest bin, so its allocations stay at kilobytes (sized by the budget, one was 2 GiB)."""
+    import tracemalloc
+
+    sqlite_dp.put(make_records(10))
+    plan = sqlite_dp.plan(tokens_per_rank=1 << 28)
+    tracemalloc.start()
+    try:
+        got = sum(b.num_tokens for b in sqlite_dp.loader(plan, prefetch=0))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert got == plan.num_tokens and peak < 32 << 20
+
+
 def test_bytes_delivered_are_the_stored_bytes_of_the_planned_ranges(sqlite_dp):
     recs = make_records(40, max_len=700)
     sqlite_dp.put(recs)
