@@ -29,15 +29,29 @@ def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file not found: {path}")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"config file {path} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     try:
         if path.suffix == ".toml":
             return tomllib.loads(text)
         if path.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(text) or {}
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+            data = yaml.safe_load(text)
+        else:
+            raise UserError(f"config file {path}: expected .toml, .yaml or .yml")
+    except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} does not parse: {exc}") from None
-    raise UserError(f"config file {path}: expected .toml, .yaml or .yml")
+    except yaml.YAMLError as exc:  # its message runs over several lines, with a quote of the file
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"config file {path} does not parse{where}: {what}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path}: the top level must be a mapping of tables, not a {type(data).__name__}")
+    return data
 
 
 def _parse_value(raw: str) -> Any:

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from sqlalchemy import collate, delete, func, inspect, select, text, update
-from sqlalchemy.exc import IntegrityError, OperationalError
+from sqlalchemy.exc import DatabaseError, IntegrityError
 
 from dataplane import columns, postgres, sqlite
 from dataplane.errors import BadRecordError, DataPlaneError, SchemaVersionError
@@ -123,7 +123,7 @@ class Catalog:
         try:
             self.engine = self.backend.make_engine(self.url, namespace)
             self._check_schema(create)
-        except OperationalError as exc:
+        except DatabaseError as exc:  # cannot connect, or not a database at all (a file of another kind)
             raise DataPlaneError(f"catalog {self._safe_url()}: cannot open: {exc.orig}{_full_device(self.url)}") from None
 
     def _safe_url(self) -> str:

@@ -60,6 +60,8 @@ def layout(length: np.ndarray, tokens_per_rank: int, ranks: int = 1, seed: int =
     """Plan arrays from per-trajectory lengths (and optional group / teacher codes)."""
     if tokens_per_rank < 1 or ranks < 1:
         raise ValueError(f"tokens_per_rank ({tokens_per_rank}) and ranks ({ranks}) must be >= 1")
+    if seed < 0 or epoch < 0:
+        raise ValueError(f"seed ({seed}) and epoch ({epoch}) must be >= 0")
     length = np.asarray(length, dtype=np.int64)
     order = shuffle(length.shape[0], group, seed, epoch, teacher)
     owner, start, stop = packing.split(length[order], tokens_per_rank)

@@ -66,6 +66,8 @@ def run(args) -> int:
     from core.errors import UserError
 
     cfg = _config(args)
+    if getattr(args, "epoch", 0) < 0:
+        raise UserError(f"--epoch {args.epoch}: an epoch number is >= 0")
     if args.data_verb == "stats" and "://" not in cfg.catalog and not Path(cfg.catalog).is_file():
         raise UserError(f"catalog file {cfg.catalog} does not exist (give --catalog PATH or a postgresql:// URL)")
     try:

@@ -70,6 +70,23 @@ def test_errors_are_one_clear_line(tmp_path, args, needle):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["data", "plan", "--config", "{tmp}/bad.yaml"], "does not parse at line 3, column 1"),
+    (["data", "plan", "--config", "{tmp}/list.yaml", "--set", "dataplane.ranks=2"], "must be a mapping"),
+    (["data", "plan", "--config", "{tmp}/binary.toml"], "is not UTF-8 text"),
+    (["data", "stats", "--catalog", "{tmp}/garbage.db"], "cannot open: file is not a database"),
+    (["data", "plan", "--catalog", "{tmp}/c.db", "--store", "{tmp}/s", "--epoch", "-1"], "--epoch -1: an epoch number is >= 0"),
+])
+def test_bad_files_and_values_are_one_clear_line(tmp_path, args, needle):
+    (tmp_path / "bad.yaml").write_text('dataplane:\n  catalog: "x\n')
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "binary.toml").write_bytes(b"\xff\xfe[dataplane]\n")
+    (tmp_path / "garbage.db").write_bytes(bytes(range(256)) * 16)
+    res = postrain(*[a.format(tmp=tmp_path) for a in args], check=False)
+    lines = [line for line in res.stderr.splitlines() if line.strip() and "Warning" not in line]
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+
+
 def test_debug_shows_traceback(tmp_path):
     res = postrain("--debug", "eval", "--checkpoint", str(tmp_path / "missing"), check=False)
     assert res.returncode != 0 and "Traceback" in res.stderr
