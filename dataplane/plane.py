@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from dataplane import codec, planner
+from dataplane import codec, planner, schema
 from dataplane.catalog import Catalog
 from dataplane.errors import BadRecordError, DataPlaneError, StaleRowError
 from dataplane.streaming import Loader
@@ -47,6 +47,7 @@ class DataPlane:
                 raise BadRecordError(f"put expects TrajectoryRecord, got {type(r).__name__}")
             if not isinstance(r.id, str) or not r.id or "\x00" in r.id:
                 raise BadRecordError(f"trajectory id {r.id!r}: expected a non-empty string without NUL")
+            _check_names(r)
             if r.id in seen:
                 raise BadRecordError(f"trajectory {r.id!r} appears twice in one put")
             seen.add(r.id)
@@ -188,3 +189,26 @@ class DataPlane:
 
     def __exit__(self, *exc):
         self.close()
+
+
+_NAMES = ("id", "run", "domain", "group_id", "teacher_id", "prompt")  # the catalog's text columns
+
+
+def _check_names(r: TrajectoryRecord) -> None:
+    """Every text field the catalog keeps: a string (teacher_id may be None), UTF-8 encodable, without NUL
+    (PostgreSQL refuses it), within its column's length. Both backends then take the same records."""
+    for name in _NAMES:
+        value = getattr(r, name)
+        if value is None and name == "teacher_id":
+            continue
+        if not isinstance(value, str):
+            raise BadRecordError(f"trajectory {r.id!r}: {name} must be a string, got {type(value).__name__}")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise BadRecordError(f"trajectory {r.id!r}: {name} is not valid Unicode ({exc.reason} at {exc.start})") from None
+        if "\x00" in value:
+            raise BadRecordError(f"trajectory {r.id!r}: {name} contains NUL")
+        limit = getattr(schema.trajectories.c[name].type, "length", None)
+        if limit is not None and len(value) > limit:
+            raise BadRecordError(f"trajectory {r.id!r}: {name} is {len(value)} characters; the catalog keeps {limit}")

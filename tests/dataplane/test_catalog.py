@@ -88,6 +88,20 @@ def test_a_catalog_row_naming_a_path_outside_the_store_is_refused(sqlite_dp, tmp
     assert sqlite_dp.store.new_path("..").startswith("shards/run/")
 
 
+@pytest.mark.parametrize("field,value,needle", [
+    ("id", "t\ud800", "not valid Unicode"), ("group_id", "g\x00", "NUL"), ("group_id", "g" * 301, "301 characters"),
+    ("run", "r" * 201, "201 characters"), ("domain", 7, "must be a string"), ("teacher_id", "\udfff", "not valid Unicode"),
+])
+def test_a_record_whose_names_the_catalog_cannot_keep_is_refused_alike_on_both_backends(any_dp, field, value, needle):
+    from dataclasses import replace
+
+    recs = make_records(3)
+    recs[1] = replace(recs[1], **{field: value})
+    with pytest.raises(dataplane.BadRecordError, match=needle):
+        any_dp.put(recs)
+    assert any_dp.stats()["trajectories"] == 0 and any_dp.store.list() == []
+
+
 def test_policy_versions(sqlite_dp):
     sqlite_dp.publish_policy_version("run-z", 7, "ckpt/7")
     sqlite_dp.publish_policy_version("run-z", 7, "ckpt/7b")
