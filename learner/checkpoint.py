@@ -158,8 +158,15 @@ def read_checkpoint(path: str | Path, verify: bool = True) -> dict:
     if state.get("format") != FORMAT:
         raise UserError(f"checkpoint {path}: format {state.get('format')!r}, this learner reads {FORMAT} "
                         "(format 1 held pickled objects, which are not loaded: loading them could run code)")
+    sums = state.get("sha256")
+    if not isinstance(sums, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
+        raise UserError(f"checkpoint {path}: state.json has no sha256 table of file -> digest; use an older checkpoint")
+    for rel in sums:
+        parts = Path(rel).parts
+        if not parts or Path(rel).is_absolute() or ".." in parts:
+            raise UserError(f"checkpoint {path}: state.json lists {rel!r}, not a file inside the checkpoint")
     if verify:
-        for rel, digest in state["sha256"].items():
+        for rel, digest in sums.items():
             _check_file(path, rel, digest)
     state["path"] = str(path)
     return state
@@ -181,9 +188,14 @@ def load_weights(model, model_dir: Path) -> None:
 
     index = model_dir / "model.safetensors.index.json"
     shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    from safetensors import SafetensorError
+
     tensors = {}
     for shard in shards:
-        tensors.update(load_file(model_dir / shard))
+        try:
+            tensors.update(load_file(model_dir / shard))
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"checkpoint weights {model_dir / shard} do not load ({exc})") from None
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     # save_pretrained leaves out tied weights (lm_head = embed_tokens); anything else missing is an error.
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -199,9 +211,18 @@ def load_into(path: str | Path, model, learner, rank: int = 0) -> dict:
     state = read_checkpoint(path)
     ckpt = Path(state["path"])
     load_weights(model, ckpt / "model")
-    learner.load_state(load_data(ckpt / "trainer.pt"))
+    try:
+        learner.load_state(load_data(ckpt / "trainer.pt"))
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        raise UserError(f"checkpoint {ckpt}: trainer.pt does not fit this learner ({type(exc).__name__}: {exc})") from None
     rngs = load_data(ckpt / "rng.pt")
-    restore_rng(rngs[rank % len(rngs)])
+    if not isinstance(rngs, list) or not rngs:
+        raise UserError(f"checkpoint {ckpt}: rng.pt holds no list of RNG states")
+    try:
+        restore_rng(rngs[rank % len(rngs)])
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        raise UserError(f"checkpoint {ckpt}: rng.pt entry {rank % len(rngs)} is not an RNG state "
+                        f"({type(exc).__name__}: {exc})") from None
     return state
 
 

@@ -137,3 +137,48 @@ def test_a_damaged_state_json_is_one_clear_error(tmp_path, text):
     (ckpt / "state.json").write_text(text)
     with pytest.raises(UserError, match="state.json is not"):
         read_checkpoint(ckpt)
+
+
+def _rewrite(path, rel, obj):
+    """Replace `rel` by `obj` (torch.save) and its digest in state.json: a hand-edited checkpoint."""
+    import hashlib
+    import json
+
+    if rel.endswith(".safetensors"):
+        (path / rel).write_bytes(obj)
+    else:
+        torch.save(obj, path / rel)
+    state = json.loads((path / "state.json").read_text())
+    state["sha256"][rel] = hashlib.sha256((path / rel).read_bytes()).hexdigest()
+    (path / "state.json").write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda s: s.pop("sha256"), "no sha256 table"),
+    (lambda s: s.__setitem__("sha256", ["x"]), "no sha256 table"),
+    (lambda s: s["sha256"].__setitem__("../../outside", "0" * 64), "not a file inside the checkpoint"),
+])
+def test_a_hand_edited_state_json_is_one_clear_error(tmp_path, edit, needle):
+    import json
+
+    path = LearnerGroup(CFG, TINY).save_checkpoint(tmp_path / "ckpt", iteration=1)
+    state = json.loads((path / "state.json").read_text())
+    edit(state)
+    (path / "state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match=needle):
+        read_checkpoint(path)
+
+
+@pytest.mark.parametrize("rel,obj,needle", [
+    ("rng.pt", [], "rng.pt holds no list"),
+    ("rng.pt", [{"python": 3}], "rng.pt entry 0 is not an RNG state"),
+    ("trainer.pt", [1, 2], "trainer.pt does not fit"),
+    ("model/model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{", "do not load"),
+])
+def test_checkpoint_files_that_hold_the_wrong_data_are_one_clear_error(tmp_path, rel, obj, needle):
+    """Files with valid digests (rewritten with them) whose contents are not what the learner saved."""
+    group = LearnerGroup(CFG, TINY)
+    path = group.save_checkpoint(tmp_path / "ckpt", iteration=1)
+    _rewrite(path, rel, obj)
+    with pytest.raises(UserError, match=needle):
+        group.load_checkpoint(path)
