@@ -121,12 +121,29 @@ def load_lite(path: str | Path, dtype: torch.dtype = torch.float32) -> LiteCausa
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     if not all((path / f).is_file() for f in files):
         return None
-    model = LiteCausalLM(LiteConfig(raw))  # torch.empty parameters: allocated, never touched (replaced below)
-    if LeanForward.supports(model) is not None:
-        return None
+    from safetensors import SafetensorError
+
     state = {}
     for f in files:
-        state.update(load_file(str(path / f)))
+        try:
+            state.update(load_file(str(path / f)))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"checkpoint {path}: {f} does not load ({exc})") from None
+    held = sum(t.numel() for t in state.values())
+    try:  # the embedding and the MLPs alone, a floor under what config.json asks for, before allocating it
+        floor = int(raw["vocab_size"]) * int(raw["hidden_size"]) + int(raw["num_hidden_layers"]) * 3 * int(
+            raw["hidden_size"]) * int(raw["intermediate_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint {path}: config.json lacks a size ({type(exc).__name__}: {exc})") from None
+    if floor > held:
+        raise ValueError(f"checkpoint {path}: config.json asks for at least {floor:,} parameters, its files hold "
+                         f"{held:,}")
+    try:
+        model = LiteCausalLM(LiteConfig(raw))  # torch.empty parameters: allocated, never touched (replaced below)
+    except (ValueError, TypeError, KeyError, ZeroDivisionError, RuntimeError) as exc:
+        raise ValueError(f"checkpoint {path}: config.json does not describe a model ({type(exc).__name__}: {exc})") from None
+    if LeanForward.supports(model) is not None:
+        return None
     if model.config.tie_word_embeddings and "model.embed_tokens.weight" in state:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     state = {k: v.to(dtype) for k, v in state.items()}

@@ -110,6 +110,19 @@ def test_a_damaged_checkpoint_is_refused_clearly(tmp_path, tiny_ckpt):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="size mismatch"):
         load_lite(tmp_path)
+    cfg["intermediate_size"] -= 8
+    cfg["vocab_size"] = 1 << 40  # terabytes of embedding: refused before anything is allocated
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="asks for at least"):
+        load_lite(tmp_path)
+    cfg["vocab_size"], cfg["num_attention_heads"] = 64, 0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="does not describe a model"):
+        load_lite(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match="does not load"):
+        load_lite(tmp_path)
 
 
 def test_a_worker_process_never_imports_transformers(tiny_ckpt):
