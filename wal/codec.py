@@ -106,7 +106,10 @@ class CodecError(ValueError):
 def _id_bytes(name: str, what: str) -> bytes:
     if not isinstance(name, str) or not name:
         raise CodecError(f"{what} must be a non-empty string, got {name!r}")
-    raw = name.encode("utf-8")
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate
+        raise CodecError(f"{what} {name!r} is not valid Unicode ({exc.reason} at {exc.start})") from None
     if len(raw) > MAX_ID_BYTES:
         raise CodecError(f"{what} is {len(raw)} bytes in UTF-8; the limit is {MAX_ID_BYTES}")
     return raw

@@ -42,6 +42,8 @@ class TokenWAL(TokenLog):
 
     def _read(self, traj_id: str, lo: int = 0, hi: int | None = None, versions: bool = True):
         """Committed positions lo..hi (clamped) as (packed tokens, packed log-probs, versions, committed length)."""
+        if type(traj_id) is not str:
+            codec._id_bytes(traj_id, "traj_id")  # a clear error for an id of another type
         s = self._store
         with s.mutex:
             s.log.check_open()
@@ -78,6 +80,8 @@ class TokenWAL(TokenLog):
 
     def length(self, traj_id: str) -> int:
         """Number of committed tokens (where a resumed decode continues)."""
+        if type(traj_id) is not str:
+            codec._id_bytes(traj_id, "traj_id")
         s = self._store
         with s.mutex:
             s.log.check_open()

@@ -445,6 +445,11 @@ def test_values_out_of_range_or_of_the_wrong_kind_are_refused_by_name(tmp_path):
         with pytest.raises(codec.CodecError, match="policy_version"):
             call()
     w.append("t", 0, [1], [-0.1], 2 ** 64 - 1)  # the largest a record holds
+    with pytest.raises(codec.CodecError, match="not valid Unicode"):
+        w.append("t\ud800", 0, [1], [-0.1], 0)
+    for read in (w.tokens, w.length):
+        with pytest.raises(codec.CodecError, match="non-empty string"):
+            read(["t"])
     for bad in (["-0.5"], [b"3"], [None]):  # never parsed as numbers
         with pytest.raises(codec.CodecError, match="floats"):
             w.append("t", 1, [2], bad, 0)
