@@ -31,7 +31,7 @@ from pathlib import Path
 
 from bench._device import cpu_name, run_meta
 
-TOKEN = "bench-token"
+TOKEN = "sandbox-bench-token"
 SLOT = 200  # execution uid of the in-process measurements, far above the service's slots
 SANDBOX_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8"}  # what a sandboxed tool sees
 READ_SYSCALL = {"x86_64": 0, "aarch64": 63}.get(platform.machine())

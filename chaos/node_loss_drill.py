@@ -29,7 +29,7 @@ from chaos.schedule import schedule
 
 KIND = "node_loss"
 WORKERS = 2
-TOKEN = "node-loss-drill"
+TOKEN = "node-loss-drill-token"
 
 
 def node_loss(ctx: DrillContext, faults: int) -> DrillResult:

@@ -16,7 +16,7 @@ import time
 
 from chaos.drill import DrillContext, DrillResult, Event
 
-TOKEN = "drill"
+TOKEN = "sandbox-drill-token"
 
 
 def _counter(log_dir) -> int:

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rewards.sandbox.types import Limits
+
+RESPONSE_LIMIT_BYTES = 4 << 20  # the largest reply the service sends
+ENTRY_OVERHEAD_BYTES = 64 << 10  # an entry's fields besides its request and its output (reason, ids, framing)
 
 
 class SandboxConfig(BaseModel):
@@ -33,6 +36,16 @@ class SandboxConfig(BaseModel):
     file_size_mb: int = Field(8, ge=1, le=1 << 20, description="RLIMIT_FSIZE, MiB")
     tmp_mb: int = Field(32, ge=1, le=1 << 20, description="size of the private /tmp of one execution, MiB")
     output_bytes: int = Field(64 << 10, ge=1 << 10, le=16 << 20, description="stdout and stderr bound each; beyond: killed")
+
+    @model_validator(mode="after")
+    def _an_entry_fits_a_reply(self):
+        """A call's request and its result travel together in an Entries reply (a resume's fast-forward): a
+        result that could not be sent would leave its sandbox stuck for good."""
+        need = self.max_request_bytes + self.output_bytes + ENTRY_OVERHEAD_BYTES
+        if need > RESPONSE_LIMIT_BYTES:
+            raise ValueError(f"max_request_bytes ({self.max_request_bytes}) + output_bytes ({self.output_bytes}) must "
+                             f"leave {ENTRY_OVERHEAD_BYTES} bytes under the {RESPONSE_LIMIT_BYTES}-byte reply bound")
+        return self
 
     def limits(self) -> Limits:
         return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, address_space_bytes=self.address_space_mb << 20,

@@ -17,17 +17,17 @@ from pathlib import Path
 import grpc
 
 import wal
+from core.errors import UserError
 from wal.errors import ConflictError, GapError, LogClosedError, WALError
 from rewards.sandbox import sandbox_pb2 as pb
 from rewards.sandbox import sandbox_pb2_grpc as pb_grpc
-from rewards.sandbox.config import SandboxConfig
+from rewards.sandbox.config import RESPONSE_LIMIT_BYTES, SandboxConfig
 from rewards.sandbox.isolation import Isolator, probe
 from rewards.sandbox.service import Refused, SandboxService, Slots
 from rewards.sandbox.tools import Toolbox
 
 TOKEN_ENV = "POSTRAIN_SANDBOX_TOKEN"
 TOKEN_FILE = "token"
-RESPONSE_LIMIT_BYTES = 4 << 20
 
 
 def _abort_unauthenticated(request, context):
@@ -96,18 +96,36 @@ class Servicer(pb_grpc.SandboxServicer):
                                max_output_bytes=cfg.output_bytes, isolated=self.service.toolbox.isolator is not None)
 
 
+MIN_TOKEN_CHARS = 16
+
+
 def resolve_token(token: str | None, log_dir: Path) -> str:
-    """The shared secret: --token, else $POSTRAIN_SANDBOX_TOKEN, else LOG_DIR/token (created 0600 if absent)."""
+    """The shared secret: --token, else $POSTRAIN_SANDBOX_TOKEN, else LOG_DIR/token (made 0600 if absent,
+    whole or not at all: written to a temporary file, synced, then linked into place). A secret shorter
+    than MIN_TOKEN_CHARS is refused: an empty one would let `Bearer ` in."""
+    where = "--token" if token else f"${TOKEN_ENV}"
     token = token or os.environ.get(TOKEN_ENV)
-    if token:
-        return token
     path = Path(log_dir) / TOKEN_FILE
-    if path.exists():
-        return path.read_text().strip()
-    token = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    if not token:
+        where = str(path)
+        if not path.exists():
+            tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_urlsafe(24) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # never over a token another process made meanwhile
+            except FileExistsError:
+                pass
+            finally:
+                os.unlink(tmp)
+        token = path.read_text()
+    token = token.strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        raise UserError(f"sandbox token from {where} has {len(token)} characters; at least {MIN_TOKEN_CHARS} are needed "
+                        f"(an empty file is left by a crash while it was written: delete it and a new one is made)")
     return token
 
 

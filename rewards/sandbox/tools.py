@@ -18,7 +18,7 @@ from pathlib import Path
 import rewards.calculator
 from core.atomic import write_atomic
 from rewards.sandbox import types as T
-from rewards.sandbox.isolation import Isolator
+from rewards.sandbox.isolation import PIPE_BYTES, Isolator, encode_program
 from rewards.sandbox.types import Limits, RunOutcome, ToolOutcome
 
 TOOLS = ("calc", "python", "counter")
@@ -59,10 +59,19 @@ def check_args(tool: str, args: str) -> str | None:
     """None if `tool` exists and `args` is acceptable input for it, else why not (the tool does not run)."""
     if tool not in TOOLS:
         return f"unknown tool {tool[:32]!r}; known: {', '.join(TOOLS)}"
+    if tool == "calc" and (len(args) > MAX_ARGS_CHARS[tool] or "\x00" in args):
+        try:  # the calculator's own words, which a verifier recomputing the call expects
+            rewards.calculator.calculate(args)
+        except rewards.calculator.CalcError as exc:
+            return str(exc)
     if len(args) > MAX_ARGS_CHARS[tool]:
         return f"args of {tool} longer than {MAX_ARGS_CHARS[tool]} chars ({len(args)})"
     if "\x00" in args:
         return "args contain a NUL character"
+    if tool == "python":  # characters bound the source; the sandbox's stdin bounds its bytes
+        size = len(encode_program(args, []))
+        if size > PIPE_BYTES:
+            return f"args of python are {size} bytes encoded; the limit is {PIPE_BYTES}"
     if tool == "counter":
         m = _COUNTER_RE.fullmatch(args.strip())
         if m is None:

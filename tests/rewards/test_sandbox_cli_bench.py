@@ -47,12 +47,12 @@ def test_bench_sandbox_smoke(capsys):
 def test_call_and_log_subverbs(tmp_path):
     from rewards.sandbox.launch import ServerProcess
 
-    srv = ServerProcess(tmp_path / "svc", "cli-token")
+    srv = ServerProcess(tmp_path / "svc", "cli-test-token-0123")
     try:
         def cli(*argv):
             return subprocess.run([sys.executable, "-m", "deploy.cli", "sandbox", *argv, "--target", srv.target,
                                    "--sandbox", "cli"], capture_output=True, text=True, timeout=60,
-                                  env={**os.environ, "POSTRAIN_SANDBOX_TOKEN": "cli-token"})
+                                  env={**os.environ, "POSTRAIN_SANDBOX_TOKEN": "cli-test-token-0123"})
 
         first = cli("call", "calc", "37*41")
         assert first.returncode == 0, first.stderr
@@ -88,10 +88,10 @@ def test_serve_refuses_weaker_isolation_unless_allowed(tmp_path, monkeypatch):
     from rewards.sandbox.client import SandboxClient
     from rewards.sandbox.launch import ServerProcess
 
-    srv = ServerProcess(tmp_path / "b", "weak-token", extra=["--allow-weaker-isolation"])
+    srv = ServerProcess(tmp_path / "b", "weak-isolation-token", extra=["--allow-weaker-isolation"])
     try:
         assert "WEAKER isolation, missing: seccomp filter" in srv.out_path.read_text()
-        with SandboxClient(srv.target, "weak-token", retries=0) as c:
+        with SandboxClient(srv.target, "weak-isolation-token", retries=0) as c:
             code = "import os\nprint(os.getuid() > 0, open('/proc/self/status').read().count('Seccomp:\\t0'))\n"
             out = c.execute("weak", 0, "python", code).result
         assert out.ok and out.output.split() == ["True", "1"], out  # isolated, without the filter, as announced

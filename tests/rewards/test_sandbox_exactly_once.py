@@ -15,7 +15,7 @@ from rewards.sandbox.client import InvocationAborted, SandboxClient
 from rewards.sandbox.isolation import probe
 from rewards.sandbox.launch import ServerProcess
 
-TOKEN = "exactly-once"
+TOKEN = "exactly-once-token"
 pytestmark = pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
 
 

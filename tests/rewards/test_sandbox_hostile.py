@@ -44,9 +44,9 @@ def env(tmp_path_factory):
     wal = WALServer(run_dir / "wal", ServeConfig(port=0))
     cfg = SandboxConfig(log_dir=run_dir / "sandbox", max_concurrent=MAX_CONCURRENT, wall_s=10.0, cpu_s=2,
                         address_space_mb=256, processes=16, tmp_mb=8)
-    srv = SandboxServer(cfg, token="t")
-    hostile = SandboxClient(srv.target, "t", timeout_s=30, retries=0)
-    healthy = SandboxClient(srv.target, "t", timeout_s=BENIGN_DEADLINE_S, retries=0)
+    srv = SandboxServer(cfg, token="hostile-suite-token")
+    hostile = SandboxClient(srv.target, "hostile-suite-token", timeout_s=30, retries=0)
+    healthy = SandboxClient(srv.target, "hostile-suite-token", timeout_s=BENIGN_DEADLINE_S, retries=0)
     yield {"srv": srv, "wal": wal, "run_dir": run_dir, "hostile": hostile, "healthy": healthy}
     hostile.close()
     healthy.close()

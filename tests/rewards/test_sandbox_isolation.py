@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     cfg = SandboxConfig(log_dir=tmp_path_factory.mktemp("sandbox"), max_concurrent=MAX_CONCURRENT, wall_s=10.0,
                         cpu_s=1, address_space_mb=256, processes=PROCESSES, file_size_mb=4, tmp_mb=16,
                         output_bytes=32 << 10)
-    srv = SandboxServer(cfg, token="test-token")
+    srv = SandboxServer(cfg, token="isolation-test-token")
     yield srv
     srv.stop()
 
@@ -38,7 +38,7 @@ def server(tmp_path_factory):
 def client(server):
     from rewards.sandbox.client import SandboxClient
 
-    with SandboxClient(server.target, "test-token", timeout_s=30, retries=0) as c:
+    with SandboxClient(server.target, "isolation-test-token", timeout_s=30, retries=0) as c:
         yield c
 
 

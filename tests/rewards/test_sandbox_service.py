@@ -13,7 +13,7 @@ from rewards.sandbox import sandbox_pb2_grpc as pb_grpc
 from rewards.sandbox.client import InvocationAborted, SandboxClient, SandboxRefused, SandboxSession
 from rewards.sandbox.isolation import probe
 
-TOKEN = "service-token"
+TOKEN = "service-token-0123456789"
 needs_bwrap = pytest.mark.skipif(probe() is not None, reason=f"sandbox isolation unavailable: {probe()}")
 
 
@@ -282,8 +282,8 @@ from rewards.sandbox.launch import ServerProcess
 
 work = Path(sys.argv[1])
 assert wal_service_kill(DrillContext(work / "wal"), 2).passed  # grpc.aio clients lived through restarts here
-srv = ServerProcess(work / "svc", "drill")
-client = SandboxClient(srv.target, "drill", timeout_s=30, retries=400, backoff_s=0.05)
+srv = ServerProcess(work / "svc", "reconnect-drill-token")
+client = SandboxClient(srv.target, "reconnect-drill-token", timeout_s=30, retries=400, backoff_s=0.05)
 for seq in range(2):
     out = {}
 
@@ -299,7 +299,7 @@ for seq in range(2):
     time.sleep(0.3)  # the call is running in the service
     t_kill = time.monotonic()
     srv.kill()
-    srv = ServerProcess(work / "svc", "drill", port=srv.port)
+    srv = ServerProcess(work / "svc", "reconnect-drill-token", port=srv.port)
     caller.join(60)
     print(round(out["t"] - t_kill, 3), flush=True)
 client.close()
@@ -322,3 +322,61 @@ def test_a_restarted_service_is_reached_at_once_by_a_call_in_flight(tmp_path):
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert all(float(x) < 5.0 for x in p.stdout.split()), p.stdout
+
+
+def test_an_empty_or_short_token_is_refused_and_a_made_one_is_whole_and_private(tmp_path, monkeypatch):
+    """An empty token file (a crash while it was written) used to let 'Bearer ' in."""
+    import os
+    import stat
+
+    from core.errors import UserError
+    from rewards.sandbox.config import SandboxConfig
+    from rewards.sandbox.server import TOKEN_ENV, TOKEN_FILE, SandboxServer, resolve_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    made = resolve_token(None, tmp_path)
+    path = tmp_path / TOKEN_FILE
+    assert len(made) >= 16 and path.read_text().strip() == made and resolve_token(None, tmp_path) == made
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and [p.name for p in tmp_path.iterdir()] == [TOKEN_FILE]
+    path.write_text("\n")
+    with pytest.raises(UserError, match="0 characters"):
+        resolve_token(None, tmp_path)
+    with pytest.raises(UserError, match="from --token has 5"):
+        resolve_token("short", tmp_path)
+    monkeypatch.setenv(TOKEN_ENV, "   ")
+    with pytest.raises(UserError):
+        resolve_token(None, tmp_path)
+    with pytest.raises(UserError):
+        SandboxServer(SandboxConfig(log_dir=tmp_path))
+
+
+def test_tool_input_errors_match_what_a_verifier_recomputes(tmp_path):
+    """A calc call the calculator refuses is answered in the calculator's own words (the calc verifier
+    recomputes the call and compares: other words made an honest transcript look forged), and python source
+    within the character bound but over the sandbox's stdin bytes is a tool error, not a failed call."""
+    from rewards import calc, protocol
+    from rewards.calculator import CalcError, calculate
+    from rewards.sandbox.isolation import PIPE_BYTES
+    from rewards.sandbox.tools import MAX_ARGS_CHARS, check_args
+
+    for args in ("1+" * 120 + "1", "1\x002"):
+        with pytest.raises(CalcError) as exc:
+            calculate(args)
+        assert check_args("calc", args) == str(exc.value)
+        completion = (f"{protocol.CALL_OPEN}calc: {args}{protocol.CALL_CLOSE}"
+                      + protocol.format_result(protocol.ERROR_PREFIX + check_args("calc", args)) + "6")
+        assert "does not match" not in calc.Calc().verify("mul 2*3=", completion).reason
+    code = "#" + "\U0001F600" * (MAX_ARGS_CHARS["python"] - 1)  # within the characters, 4 bytes each
+    assert f"limit is {PIPE_BYTES}" in check_args("python", code)
+
+
+def test_a_config_whose_entries_could_not_be_sent_is_refused(tmp_path):
+    from pydantic import ValidationError
+
+    from rewards.sandbox.config import SandboxConfig
+
+    with pytest.raises(ValidationError, match="reply bound"):
+        SandboxConfig(log_dir=tmp_path, output_bytes=8 << 20)
+    with pytest.raises(ValidationError, match="reply bound"):
+        SandboxConfig(log_dir=tmp_path, max_request_bytes=2 << 20, output_bytes=2 << 20)
+    SandboxConfig(log_dir=tmp_path, max_request_bytes=1 << 20, output_bytes=2 << 20)

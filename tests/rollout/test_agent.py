@@ -9,7 +9,7 @@ from rollout.engine import Engine
 from rollout.sampling import SamplingParams
 from rollout.types import ENV_LOGPROB
 
-TOKEN = "agent-token"
+TOKEN = "agent-token-0123456789"
 PARAMS = SamplingParams(max_new_tokens=40, stop=("</call>",))
 CALLS = [(37, 41), (123, 456), (7, 8), (99, 99), (12, 34), (500, 2)]
 
