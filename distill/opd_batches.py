@@ -72,9 +72,14 @@ def _pinned(x: torch.Tensor, pin: bool) -> torch.Tensor:
     return x.pin_memory() if pin else x
 
 
-def prepare(batch, tokens_hash: dict[str, str], budget: int, pin: bool) -> list[Part]:
-    """The group's micro-batches with everything computed on the host (see the module docstring)."""
+def prepare(batch, tokens_hash: dict[str, str], budget: int, pin: bool, dtype: torch.dtype | None = None) -> list[Part]:
+    """The group's micro-batches with everything computed on the host (see the module docstring). The cached
+    hidden states must be of `dtype` (the run's cache dtype, where given) and finite where they are scored:
+    one NaN would turn every weight of the student into NaN."""
     check_rows(batch, tokens_hash)
+    if dtype is not None and batch.extras[FIELD].dtype != dtype:
+        raise CacheMismatch(f"cache rows {list(batch.traj_ids)[:3]}: hidden states are {batch.extras[FIELD].dtype}, "
+                            f"this run caches {dtype}; refusing to train on them")
     parts = []
     for sl in micro_slices(batch.cu_seqlens.tolist(), budget):
         ids, pos = batch.input_ids[sl].long(), batch.position_ids[sl].long()
@@ -84,6 +89,11 @@ def prepare(batch, tokens_hash: dict[str, str], budget: int, pin: bool) -> list[
         h_src = batch.extras[FIELD][sl]
         h_t = torch.empty((len(idx), *h_src.shape[1:]), dtype=h_src.dtype, pin_memory=pin)
         torch.index_select(h_src, 0, idx, out=h_t)
+        if len(idx) and not bool(torch.isfinite(h_t).all()):
+            bad = int(torch.nonzero(~torch.isfinite(h_t).all(dim=1))[0, 0])
+            k = int(torch.searchsorted(batch.cu_seqlens, sl.start + int(idx[bad]), right=True)) - 1
+            raise CacheMismatch(f"cache row {batch.traj_ids[k]!r}: hidden states hold a NaN or an infinity at a scored "
+                                "position; refusing to train on it (delete the cache rows or rerun)")
         nxt = torch.roll(ids, -1).index_select(0, idx)
         behaviour = torch.roll(batch.logprobs[sl].float(), -1).index_select(0, idx)
         parts.append(Part(ids_N=_pinned(ids, pin), pos_N=_pinned(pos, pin), cu_S1=_pinned(cu, pin),

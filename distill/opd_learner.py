@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -114,6 +115,9 @@ class OPDLearner(Optimised):
     def apply_update(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, clear the gradients."""
         grad_norm = self.clip()
+        if not math.isfinite(float(grad_norm)):  # a step would make every weight NaN: none is taken
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"OPD step {self.step + 1}: gradient norm {float(grad_norm)}; the step is not taken")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -134,7 +138,8 @@ class OPDLearner(Optimised):
         if nxt:
             following = nxt[0][0]
         budget, pin = self.cfg.learner.micro_batch_tokens, self.device.type == "cuda"
-        prep = lambda sub: prepare(_load(sub), tokens_hash, budget, pin)  # noqa: E731
+        cache_dtype = getattr(torch, self.cfg.opd.cache_dtype)
+        prep = lambda sub: prepare(_load(sub), tokens_hash, budget, pin, cache_dtype)  # noqa: E731
         futs: list[Future | None] = [None] * len(groups)
         ahead, self._ahead = self._ahead, None
         if ahead is not None and groups and ahead[0] == _rows_key(groups[0][1], tokens_hash):
@@ -186,6 +191,9 @@ class OPDLearner(Optimised):
             after = names[j + 1] if j + 1 < len(names) else following
             i, weight = order.index(name), self.teachers[name].weight
             for k, host_part in enumerate(parts):
+                if host_part.n and host_part.h_t_PH.shape[1] != self.teachers[name].hidden_size:
+                    raise CacheMismatch(f"cache rows of teacher {name!r}: hidden states {host_part.h_t_PH.shape[1]} wide, "
+                                        f"its head takes {self.teachers[name].hidden_size}; refusing to train on them")
                 part = to_device(host_part, self.device, heads.stream)
                 h = None
                 if part.n:

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def _learner(student, teachers, device):
     model, _ = load_policy(student)
     cfg = OPDTrainConfig.model_validate({"learner": {"device": device, "threads": 1, "micro_batch_tokens": 40},
-                                         "optim": {"lr": 1e-3, "adam_eps": 1e-2}})
+                                         "optim": {"lr": 1e-3, "adam_eps": 1e-2}, "opd": {"cache_dtype": "float32"}})
     learner = OPDLearner(model, cfg)
     learner.set_teachers(0, teachers)
     return learner

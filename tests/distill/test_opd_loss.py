@@ -20,7 +20,7 @@ def _learner(student, teachers, **opd):
     set_threads()
     model, _ = load_policy(student)
     cfg = OPDTrainConfig.model_validate({"learner": {"device": "cpu", "threads": 1, "micro_batch_tokens": 40},
-                                         "optim": {"lr": 1e-3}, "opd": {"kl_chunk_tokens": 8, **opd}})
+                                         "optim": {"lr": 1e-3}, "opd": {"kl_chunk_tokens": 8, "cache_dtype": "float32", **opd}})
     learner = OPDLearner(model, cfg)
     learner.set_teachers(0, teachers)
     return learner
@@ -161,3 +161,48 @@ def test_sampled_token_baseline_runs_the_same_path(case):
     assert metrics["head_loads"] == len(teachers) and metrics["max_resident_heads"] == 1
     assert metrics["grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+
+
+@pytest.mark.parametrize("damage,words", [("nan", "NaN or an infinity"), ("dtype", "this run caches"),
+                                          ("width", "wide, its head takes")])
+def test_cached_hidden_states_that_would_poison_the_student_are_refused(case, monkeypatch, damage, words):
+    """One NaN at a scored position (it would make every weight NaN), hidden states of another dtype than
+    the run caches (silently cast before) or of another width than the teacher's head: refused by name,
+    before any weight changes."""
+    import distill.opd_learner as ol
+
+    student, teachers, dp, sampled, sel = case
+    learner = _learner(student, teachers)
+    plan = dp.plan(sel, tokens_per_rank=sel.num_tokens, ranks=1, by_teacher=True)
+    load = ol._load
+
+    def damaged(sub):
+        batch = load(sub)
+        h = batch.extras["teacher_hidden"]
+        if damage == "nan":
+            h = h.clone()
+            h[int(batch.loss_mask.nonzero()[0, 0])] = float("nan")
+        elif damage == "dtype":
+            h = h.to(torch.float16)
+        else:
+            h = h[:, :-1]
+        return dataclasses.replace(batch, extras={**batch.extras, "teacher_hidden": h})
+
+    monkeypatch.setattr(ol, "_load", damaged)
+    before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    with pytest.raises(CacheMismatch, match=words):
+        learner.plan_step(0, plan, 0, hashes(dp, sel, sampled))
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+
+
+def test_a_step_whose_gradient_is_not_finite_is_not_taken(case, monkeypatch):
+    student, teachers, dp, sampled, sel = case
+    learner = _learner(student, teachers)
+    plan = dp.plan(sel, tokens_per_rank=sel.num_tokens, ranks=1, by_teacher=True)
+    learner.accumulate_gradients(0, plan, 0, hashes(dp, sel, sampled))
+    next(iter(learner.model.parameters())).grad.view(-1)[0] = float("inf")
+    before = {k: v.detach().clone() for k, v in learner.model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="not taken"):
+        learner.apply_update()
+    assert all(torch.equal(before[k], v) for k, v in learner.model.state_dict().items())
+    assert all(p.grad is None for p in learner.model.parameters())

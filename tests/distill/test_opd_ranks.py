@@ -23,7 +23,8 @@ def test_two_ranks_take_the_one_rank_step(tmp_path):
     try:
         for ranks in (1, 2):
             cfg = OPDTrainConfig.model_validate({"learner": {"device": "cpu", "threads": 1, "ranks": ranks},
-                                                 "optim": {"lr": 1e-2, "grad_clip": 0.0, "adam_eps": 1e-2}})
+                                                 "optim": {"lr": 1e-2, "grad_clip": 0.0, "adam_eps": 1e-2},
+                                                 "opd": {"cache_dtype": "float32"}})
             group = LearnerGroup(cfg, str(student), num_cpus_per_rank=0, make_learner=opd_learner)
             try:
                 group.learner_call("set_teachers", teachers)
