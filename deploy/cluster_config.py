@@ -81,7 +81,7 @@ class SandboxTable(Config):
         "actor on a joined cluster")
     addresses: list[str] = Field(default_factory=list, description="external replicas, host:port each (worker k uses "
                                  "replica k mod n); token in $POSTRAIN_SANDBOX_TOKEN")
-    replicas: int = Field(1, ge=1, le=256, description="services started in actor mode")
+    replicas: int = Field(1, ge=1, le=32, description="services started in actor mode (each takes its own 8 of the host's 256 execution slots)")
     node: str = Field("", description="node id or IP of the actor-mode replicas; empty: the driver's node")
 
 

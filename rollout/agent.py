@@ -27,6 +27,13 @@ class TurnOutcome:
     reason: str = ""
 
 
+class ToolServiceError(RuntimeError):
+    """The sandbox service did not answer a call (down past the client's retries, overloaded, a wrong token,
+    an internal error). Nothing of the call enters the trajectory: a fault of the service is not the
+    model's to learn from, and the call number must stay free for the call the service has not logged.
+    The trajectory resumes from the WAL, and asks again, once the service answers."""
+
+
 def sandbox_id_of(traj_id: str) -> str:
     """The sandbox of a trajectory: one per episode, named after it (protocol-safe characters only)."""
     safe = "".join(c if c.isalnum() or c in "._:-" else "-" for c in traj_id)
@@ -57,13 +64,23 @@ class ToolGateway:
         return client
 
     def answer(self, traj_id: str, call_no: int, call: protocol.Call) -> tuple[str, bool]:
+        import grpc
+
         from rewards.sandbox.client import InvocationAborted, SandboxRefused
+        from rewards.sandbox.tools import MAX_ARGS_CHARS
+        # args past a tool's bound are refused by the service (a logged tool error) whatever follows the
+        # bound: sent cut there, the request stays small enough for any message bound, the same on a replay
+        limit = MAX_ARGS_CHARS.get(call.tool)
+        args = call.args if limit is None or len(call.args) <= limit else call.args[:limit + 1]
         try:
-            res = self._client().execute(sandbox_id_of(traj_id), call_no, call.tool, call.args)
+            res = self._client().execute(sandbox_id_of(traj_id), call_no, call.tool, args)
         except InvocationAborted:  # invoked before a sandbox crash, outcome unknown: never run again
             return protocol.ERROR_PREFIX + "tool outcome unknown (sandbox crashed mid-call)", True
-        except SandboxRefused as exc:  # bad tool / args: deterministic, so a replay gets the same answer
-            return protocol.ERROR_PREFIX + f"refused ({exc.code.name})", False
+        except SandboxRefused as exc:
+            if exc.code == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: a replay gets the same answer
+                return protocol.ERROR_PREFIX + f"refused ({exc.code.name})", False
+            raise ToolServiceError(f"sandbox service {self.target} did not answer call {call_no} of {traj_id!r}: "
+                                   f"{exc.code.name} ({exc.details}); nothing of it was committed") from None
         return res.text(), res.replayed
 
     def answer_many(self, asks: list[tuple[str, int, protocol.Call]]) -> list[tuple[str, bool]]:

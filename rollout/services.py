@@ -40,13 +40,15 @@ try:
     class SandboxServiceActor:
         """`postrain sandbox serve` inside a Ray actor, bound to the IP of the node it runs on."""
 
-        def __init__(self, log_dir: str, token: str, isolate_pure: bool = True):
+        def __init__(self, log_dir: str, token: str, isolate_pure: bool = True, replica: int = 0):
             from rewards.sandbox.config import SandboxConfig
             from rewards.sandbox.server import SandboxServer
 
             host = ray.util.get_node_ip_address()
+            slots = SandboxConfig.model_fields["max_concurrent"].default
             self.server = SandboxServer(SandboxConfig(host=host, port=0, log_dir=Path(log_dir),
-                                                      isolate_pure_tools=isolate_pure), token=token)
+                                                      isolate_pure_tools=isolate_pure, first_slot=replica * slots),
+                                        token=token)
 
         def address(self) -> str:
             return self.server.target
@@ -84,7 +86,7 @@ class Services:
                         timeout_s: float = 120.0) -> list[str]:
         """`replicas` sandbox services (LOG_DIR/replica-K) pinned to `node_id`; their addresses."""
         actors = [SandboxServiceActor.options(scheduling_strategy=_pinned(node_id)).remote(
-            str(Path(log_dir) / f"replica-{k}"), token, isolate_pure) for k in range(replicas)]
+            str(Path(log_dir) / f"replica-{k}"), token, isolate_pure, k) for k in range(replicas)]  # disjoint slots
         self.actors += actors
         return ray.get([a.address.remote() for a in actors], timeout=timeout_s)
 

@@ -15,6 +15,7 @@ in between only repeats an idempotent put.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections import Counter, deque
@@ -30,6 +31,8 @@ from rollout.config import EngineConfig
 from rollout.engine import Engine
 from rollout.snapshot import SnapshotStore, encode
 from rollout.types import ENV_LOGPROB, Finished, Request, WorkerReport, is_sampled
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -120,6 +123,7 @@ class RolloutWorker:
         self._finished: list[Finished] = []
         self._done: list[tuple[str, list[int], str]] = []  # stopped in this call, not finished yet: (id, tokens, reason)
         self._already_final: list[str] = []
+        self._tool_waiting: list[str] = []  # paused on a call the sandbox service did not answer: asked again
         self._stopped = False
 
     # -- pool interface ---------------------------------------------------------------------
@@ -149,6 +153,9 @@ class RolloutWorker:
         """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""
         self._check_live()
         eng, chunk = self.engine, self.spec.engine.decode_chunk
+        if self._tool_waiting:  # their calls, again: answered now, or waiting for the next call of run
+            waiting, self._tool_waiting = self._tool_waiting, []
+            self._on_stops([t for t in waiting if t in eng.seqs])
         self._admit()
         pending = eng.launch(min(chunk, max_steps)) if max_steps > 0 else None
         step = 0
@@ -301,8 +308,14 @@ class RolloutWorker:
         paused = [t for t in trajs if seqs[t].state == "paused"]
         while paused:
             before = {t: len(seqs[t].tokens) for t in paused}
-            outs = agent.answer_turns(self.engine, self.wal, self.tools, [(t, self.prompt_len[t]) for t in paused],
-                                      self.spec.max_tool_calls)
+            try:
+                outs = agent.answer_turns(self.engine, self.wal, self.tools, [(t, self.prompt_len[t]) for t in paused],
+                                          self.spec.max_tool_calls)
+            except agent.ToolServiceError as exc:  # nothing committed: they stay paused and ask again next run
+                self.counters["tool_service_unanswered"] += 1
+                log.warning("%s", exc)
+                self._tool_waiting += paused
+                break
             for t in paused:
                 out, seq = outs[t], seqs[t]
                 self.counters["tool_executed"] += out.executed

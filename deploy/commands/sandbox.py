@@ -16,6 +16,8 @@ def add_arguments(p):
                         "else LOG_DIR/token, created if absent)")
     s.add_argument("--log-dir", default="runs/sandbox", help="state dir: environment log, counters, token (default runs/sandbox)")
     s.add_argument("--max-concurrent", type=int, default=None, help="executions at once (default 8)")
+    s.add_argument("--first-slot", type=int, default=None,
+                   help="first execution slot (uid 61000 + slot; default 0): services on one host need disjoint ranges")
     s.add_argument("--max-queued", type=int, default=None, help="calls waiting for a slot before RESOURCE_EXHAUSTED (default 64)")
     s.add_argument("--wall-s", type=float, default=None, help="wall clock of one execution in seconds (default 5)")
     s.add_argument("--allow-weaker-isolation", action="store_true", default=None,
@@ -91,6 +93,7 @@ def run(args) -> int:
     from rewards.sandbox.server import SandboxServer
 
     fields = {"host": args.host, "port": args.port, "log_dir": args.log_dir, "max_concurrent": args.max_concurrent,
+              "first_slot": args.first_slot,
               "max_queued": args.max_queued, "wall_s": args.wall_s,
               "allow_weaker_isolation": args.allow_weaker_isolation}
     try:

@@ -24,10 +24,13 @@ class SandboxConfig(BaseModel):
                                      "in the service process (~0.1 ms instead of a sandbox start; the env log's "
                                      "exactly-once is unchanged); python always runs isolated")
     max_concurrent: int = Field(8, ge=1, le=256, description="executions running at once (one uid each)")
+    first_slot: int = Field(0, ge=0, le=255, description="the first of this service's execution slots (uid 61000 + "
+                            "slot): replicas on one host take disjoint ranges, or one's sweep kills another's calls")
     max_queued: int = Field(64, ge=0, le=4096, description="calls waiting for a slot; beyond that RESOURCE_EXHAUSTED at once")
     queue_wait_s: float = Field(30.0, gt=0, le=600, description="longest wait for a slot before RESOURCE_EXHAUSTED")
     rpc_threads: int = Field(96, ge=4, le=1024, description="gRPC handler threads (above max_concurrent + max_queued is wasted)")
-    max_request_bytes: int = Field(64 << 10, ge=1 << 10, le=16 << 20, description="largest request message accepted")
+    max_request_bytes: int = Field(256 << 10, ge=1 << 10, le=16 << 20, description="largest request message accepted "
+                                   "(the default holds a python call at its bound of 16384 characters, 4 bytes each)")
     entries_page: int = Field(256, ge=1, le=4096, description="entries per Entries page (fast-forward)")
     wall_s: float = Field(5.0, gt=0, le=600, description="wall clock of one execution (a call may ask for less)")
     cpu_s: int = Field(4, ge=1, le=3600, description="RLIMIT_CPU seconds per process")
@@ -41,6 +44,9 @@ class SandboxConfig(BaseModel):
     def _an_entry_fits_a_reply(self):
         """A call's request and its result travel together in an Entries reply (a resume's fast-forward): a
         result that could not be sent would leave its sandbox stuck for good."""
+        if self.first_slot + self.max_concurrent > 256:
+            raise ValueError(f"first_slot ({self.first_slot}) + max_concurrent ({self.max_concurrent}) exceed the 256 "
+                             "execution slots of a host")
         need = self.max_request_bytes + self.output_bytes + ENTRY_OVERHEAD_BYTES
         if need > RESPONSE_LIMIT_BYTES:
             raise ValueError(f"max_request_bytes ({self.max_request_bytes}) + output_bytes ({self.output_bytes}) must "

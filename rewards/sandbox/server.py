@@ -147,10 +147,10 @@ class SandboxServer:
             print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")
         toolbox = Toolbox(log_dir, self.isolator, cfg.limits(), python, slots=cfg.max_concurrent,
-                          isolate_pure=cfg.isolate_pure_tools)
+                          isolate_pure=cfg.isolate_pure_tools, first_slot=cfg.first_slot)
         self.toolbox = toolbox
-        self.service = SandboxService(self.log, toolbox, Slots(cfg.max_concurrent, cfg.max_queued, cfg.queue_wait_s),
-                                      cfg.entries_page)
+        self.service = SandboxService(self.log, toolbox, Slots(cfg.max_concurrent, cfg.max_queued, cfg.queue_wait_s,
+                                                               cfg.first_slot), cfg.entries_page)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.rpc_threads, thread_name_prefix="sandbox-rpc"),
             interceptors=[TokenAuth(self.token)],

@@ -67,9 +67,9 @@ def _check_record(response: bytes, sandbox_id: str, seq: int) -> None:
 class Slots:
     """A bounded pool of execution slots with a bounded queue of waiters (back-pressure)."""
 
-    def __init__(self, n: int, max_queued: int, wait_s: float):
+    def __init__(self, n: int, max_queued: int, wait_s: float, first: int = 0):
         # FIFO: the slot idle longest goes first, so its pre-started sandbox has had the most time to boot
-        self._free = collections.deque(range(n))
+        self._free = collections.deque(range(first, first + n))
         self._cond = threading.Condition()
         self._waiting = 0
         self.max_queued, self.wait_s = max_queued, wait_s

@@ -3,7 +3,8 @@
 Default allow, with a deny list of what a tool never needs and what opens the kernel's attack surface:
 namespace creation and entry (`unshare`, `setns`, the CLONE_NEW* flags of `clone`), the mount family,
 process inspection (`ptrace`, `process_vm_*`), kernel keyrings, `bpf`, `perf_event_open`, `kexec_*`,
-module loading, `io_uring_*`, `userfaultfd` and `personality` changes. Denied calls fail with EPERM,
+module loading, `io_uring_*`, `userfaultfd`, `personality` changes, and memory that no per-process limit
+counts (`memfd_create`, `shmget`). Denied calls fail with EPERM,
 as an unprivileged process expects; `clone3` fails with ENOSYS, because its flags sit in a struct the
 filter cannot read, and libc then falls back to `clone`, whose flags it can. A system call of another
 ABI (i386 `int 0x80`, x32) kills the process: the list names native calls only.
@@ -36,6 +37,9 @@ DENIED = (
     "init_module", "finit_module", "delete_module", "io_uring_setup", "io_uring_enter", "io_uring_register",
     "userfaultfd", "open_by_handle_at", "name_to_handle_at", "acct", "quotactl", "swapon", "swapoff",
     "reboot", "syslog", "lookup_dcookie", "uselib", "vhangup",
+    # memory no per-process limit counts: memfd pages and System V segments outlive the mappings that
+    # RLIMIT_AS bounds (filled 96 at a time, one call pinned 3 GiB of a host's memory under a 256 MiB limit)
+    "memfd_create", "shmget",
 )
 
 

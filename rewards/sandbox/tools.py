@@ -119,7 +119,7 @@ class Toolbox:
     """Runs one tool call. Isolated tools go through `isolator` as execution slot `slot`."""
 
     def __init__(self, state_dir: Path, isolator: Isolator | None, limits: Limits, python: str, slots: int = 0,
-                 isolate_pure: bool = True):
+                 isolate_pure: bool = True, first_slot: int = 0):
         self.isolate_pure = isolate_pure
         self.counter_dir = Path(state_dir) / "counters"
         self.counter_dir.mkdir(parents=True, exist_ok=True)
@@ -133,7 +133,7 @@ class Toolbox:
         self.warm_slots = slots if isolator is not None else 0
         self._closed = False
         if isolator is not None:
-            for slot in range(slots):
+            for slot in range(first_slot, first_slot + slots):
                 self._ready[slot] = isolator.prestart(python, limits, slot)
 
     def close(self) -> None:

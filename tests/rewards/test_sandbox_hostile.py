@@ -230,6 +230,12 @@ ATTEMPTS = {
     "userfaultfd": ("call(libc.syscall(NR['userfaultfd'], 0))", "PermissionError"),
     "keyctl": ("call(libc.syscall(NR['keyctl'], 0, -3, 0))", "PermissionError"),  # KEYCTL_GET_KEYRING_ID
     "personality": ("call(libc.personality(0x0040000))", "PermissionError"),  # ADDR_NO_RANDOMIZE
+    # memory outside RLIMIT_AS: memfd pages and System V segments outlive the mappings the limit counts
+    "memfd_create": ("fd = os.memfd_create('x')\nos.posix_fallocate(fd, 0, 8 << 20)\nprint('succeeded', fd)",
+                     "PermissionError"),
+    "shmget": ("call(libc.shmget(0, 8 << 20, 0o1600))", "PermissionError"),  # IPC_PRIVATE, IPC_CREAT | 0600
+    "open_files": ("fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(300)]\nprint('succeeded', len(fds))",
+                   "Too many open files"),  # RLIMIT_NOFILE: 256
     "unshare_command": ("import subprocess, sys\n"
                         "r = subprocess.run(['unshare', '-Urn', 'id'], capture_output=True, text=True)\n"
                         "print(r.stdout)\nsys.exit(r.stderr.strip())", "Operation not permitted"),

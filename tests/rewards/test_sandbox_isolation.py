@@ -262,3 +262,37 @@ def test_pure_calc_in_process_when_asked_python_still_isolated(tmp_path):
         assert tb._ready[0] is not warm
     finally:
         tb.close()
+
+
+def test_services_on_one_host_with_their_own_slots_leave_each_other_alone(tmp_path):
+    """Two services on this host (the cluster's replicas, each its own slot range): a call on one killed at
+    its wall clock has its slot's uid swept, and a call on the other, running then, lives on. With the same
+    slots, the sweep killed it ('killed by SIGKILL')."""
+    from rewards.sandbox.client import SandboxClient
+    from rewards.sandbox.config import SandboxConfig
+    from rewards.sandbox.server import SandboxServer
+
+    def serve(name, first, wall):
+        cfg = SandboxConfig(log_dir=tmp_path / name, max_concurrent=1, first_slot=first, wall_s=wall, cpu_s=2,
+                            address_space_mb=256, processes=PROCESSES, tmp_mb=8)
+        return SandboxServer(cfg, token="replica-test-token")
+
+    a, b = serve("a", 100, 1.0), serve("b", 101, 10.0)
+    out = {}
+    try:
+        with SandboxClient(a.target, "replica-test-token", timeout_s=30, retries=0) as ca, \
+                SandboxClient(b.target, "replica-test-token", timeout_s=30, retries=0) as cb:
+            def benign():
+                out["b"] = cb.execute("victim", 0, "python", "import os, time\ntime.sleep(2.5)\nprint(os.getuid())\n").result
+
+            t = threading.Thread(target=benign)
+            t.start()
+            time.sleep(0.7)
+            hostile = ca.execute("hostile", 0, "python", "while True: pass\n").result
+            t.join()
+    finally:
+        a.stop()
+        b.stop()
+    assert hostile.error_kind == T.TIMEOUT, hostile
+    assert out["b"].ok, out["b"]
+    assert os.geteuid() != 0 or out["b"].output.strip() == str(UID_BASE + 101)

@@ -107,3 +107,30 @@ def test_a_step_with_a_call_over_budget_and_one_without_a_call_ends_those_and_an
     assert all(o.continued for o in spent.values())
     assert [(o.continued, o.reason) for o in over.values()] == [(False, "tool call budget (0) spent")]
     assert [(o.continued, o.reason) for o in none.values()] == [(False, "stop string")]
+
+
+def test_a_service_fault_is_never_committed_as_a_tool_result(tmp_path, tiny_policy, service):
+    """A wrong token (or a service down past the retries) is the service's fault, not the model's: nothing
+    enters the trajectory and the call number stays free, so the same calls are answered once it answers
+    (they used to be committed as 'error: refused (UNAUTHENTICATED)', and every later call hit a gap)."""
+    log = CountingWAL(wal.open(tmp_path / "wal"))
+    eng, plens = _paused(tiny_policy, log)
+    before = {t: list(log.tokens(t)) for t in plens}
+    wrong = agent.ToolGateway(service.target, "not-the-service-token", fan_out=1)
+    try:
+        with pytest.raises(agent.ToolServiceError, match="UNAUTHENTICATED"):
+            agent.answer_turns(eng, log, wrong, list(plens.items()), max_calls=4)
+    finally:
+        wrong.close()
+    assert {t: log.tokens(t) for t in plens} == before and all(eng.seqs[t].state == "paused" for t in plens)
+    right = agent.ToolGateway(service.target, TOKEN, fan_out=1)
+    try:
+        out = agent.answer_turns(eng, log, right, list(plens.items()), max_calls=4)
+    finally:
+        right.close()
+    tok = tiny_policy[1]
+    for a, b in CALLS:
+        traj = f"calc-{a}x{b}"
+        assert out[traj].continued and out[traj].executed
+        assert tok.decode(eng.seqs[traj].tokens[plens[traj]:]).endswith(f"</call><result>{a * b}</result>")
+    log.close()
