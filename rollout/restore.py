@@ -9,7 +9,8 @@ much; reading the tail while recomputing the head can, by up to 2x. The KV of a 
 the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the whole would give.
 
 The split point comes from costs this process has measured (`SplitPolicy`): a head's prefill (a fixed
-part and seconds per token, once heads of different sizes were seen) and seconds per byte read cold. Of
+part and seconds per token, once heads of different sizes were seen; else the lowest rate of the recent
+heads) and seconds per byte read cold. Of
 the whole read and a split at each block boundary it takes the quickest by those costs: a prefill's
 fixed part (~28 ms for this model on an H100 host, whatever the head's size up to 6k tokens) makes a
 short snapshot read whole. Until both are known the first resume splits in the middle, which measures
@@ -68,10 +69,15 @@ class SplitPolicy:
     part (launches, the host's work, the wait for the device) is what makes short heads dear: at 8k tokens
     on an H100 host a 3k-token head took 16 ms where 8k took 33."""
 
-    def __init__(self, enabled: bool = True, alpha: float = 0.5, split_cached: bool = False, window: int = 8):
+    def __init__(self, enabled: bool = True, alpha: float = 0.5, split_cached: bool = False, window: int = 8,
+                 explore_every: int = 4):
         self.enabled, self.alpha, self.split_cached = enabled, alpha, split_cached
-        self.prefill_s_per_token: float | None = None  # the rate alone (average seconds per head token)
+        self.prefill_s_per_token: float | None = None  # average seconds per head token (reported; not the model's)
         self.prefills: collections.deque = collections.deque(maxlen=window)  # (tokens, seconds) of recent heads
+        # after this many whole reads in a row that a split could have taken, one split measures the head again:
+        # a slow first prefill (a new shape's one-time costs: 480 ms for a 4k head on an H100 host, against
+        # 27 ms after) must not keep every later resume from splitting
+        self.explore_every, self._unsplit = explore_every, 0
         self.read_s_per_byte: dict[bool, float | None] = {True: None, False: None}  # by `cached`
         self._lock = threading.Lock()
 
@@ -90,10 +96,11 @@ class SplitPolicy:
                 self.read_s_per_byte[cached] = self._avg(self.read_s_per_byte[cached], seconds / nbytes)
 
     def prefill_model(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token) of a head's prefill: the fitted line, else the rate alone."""
+        """(fixed seconds, seconds per token) of a head's prefill: the fitted line, else the lowest rate of the
+        recent heads (a prefill is slowed by one-time costs, never sped up: the lowest is the truest)."""
         with self._lock:
             fit = affine_fit(list(self.prefills))
-            rate = self.prefill_s_per_token
+            rate = min((sec / tok for tok, sec in self.prefills), default=None)
         return fit or (None if rate is None else (0.0, rate))
 
     def start(self, token_count: int, block: int, bytes_per_token: int, cached: bool) -> int:
@@ -113,7 +120,13 @@ class SplitPolicy:
         def seconds(at: int) -> float:
             return token_count * read if at == 0 else max(fixed + p * at, read * (token_count - at))
 
-        return min(range(0, last + 1, block), key=seconds)
+        best = min(range(0, last + 1, block), key=seconds)
+        with self._lock:
+            self._unsplit = self._unsplit + 1 if best == 0 else 0
+            if self._unsplit < self.explore_every:
+                return best
+            self._unsplit = 0
+        return min(range(block, last + 1, block), key=seconds)  # the best split, to measure the head again
 
 
 _tail_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tail")

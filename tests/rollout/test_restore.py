@@ -76,7 +76,8 @@ def test_the_tail_comes_from_the_snapshot_not_from_a_prefill(tiny_policy, tmp_pa
     store.put("r", encode("r", tokens[:covered], odd, 0, Engine(model, tok).fingerprint))
     eng = Engine(model, tok, seed=3, max_batch=2)
     policy = restore.SplitPolicy(split_cached=True)
-    policy.prefill_s_per_token, policy.read_s_per_byte[True], policy.read_s_per_byte[False] = 1.0, 1e9, 1e9
+    policy.observe_prefill(1, 1.0)
+    policy.read_s_per_byte[True], policy.read_s_per_byte[False] = 1e9, 1e9
     r = restore.resume(eng, store, policy, "r", tokens, sampled, P)  # reading costs more than all: one block read
     last = (covered - 1) // BLOCK * BLOCK
     assert r.head_tokens == last and r.kv_tokens == covered - last
@@ -241,10 +242,14 @@ def test_the_split_point_follows_the_rates():
     p.observe_read(1000, 0.1, cached=False)  # 0.1 ms a byte now: the average moves half way
     assert p.read_s_per_byte[False] == pytest.approx(0.5 * 1e-3 + 0.5 * 1e-4)
     assert p.start(64, 8, 100, False) == 56  # 55 ms a token read against 10 ms a prefill: 54 of 64 tokens
-    p.observe_prefill(100, 10.0)  # 100 ms a token now (an average of 55 ms): reading the most pays
-    assert p.start(64, 8, 100, False) == 32
+    p.observe_prefill(100, 10.0)  # one slow head (100 ms a token): the lowest recent rate still counts
+    assert p.start(64, 8, 100, False) == 56
+    for _ in range(8):  # slow heads only, a window of them: 100 ms a token against 55 read, reading more pays
+        p.observe_prefill(100, 10.0)
+    assert p.start(64, 8, 100, False) == 24  # 2.4 s of head against 2.2 s of tail
     q = restore.SplitPolicy()
-    q.prefill_s_per_token, q.read_s_per_byte[False] = 1e-3, 1e-5  # a token: 1 ms either way at 100 bytes
+    q.observe_prefill(1000, 1.0)
+    q.read_s_per_byte[False] = 1e-5  # a token: 1 ms either way at 100 bytes
     assert q.start(64, 8, 100, False) == 32 and q.start(4096, 1024, 100, False) == 2048
     assert q.start(4000, 1024, 100, False) == 2048 and q.start(2100, 1024, 100, False) == 1024
     assert restore.SplitPolicy(enabled=False).start(64, 8, 100, False) == 0
@@ -286,3 +291,18 @@ def test_a_split_that_would_cost_more_than_the_whole_read_reads_whole():
     policy.observe_read(1024 * bpt, 0.0118, cached=False)
     assert policy.start(2048, 1024, bpt, False) == 0
     assert policy.start(8192, 1024, bpt, False) == 2048
+
+
+def test_a_slow_first_head_does_not_keep_later_resumes_from_splitting():
+    """An H100 host at 8k tokens: the first split's 4k head took 480 ms (a new shape's one-time costs), 27 ms
+    after. Priced at the first, every split loses to the whole read (~76 ms); after `explore_every` whole reads
+    one split measures the head again, and from then on the resumes split."""
+    bpt, n = 12 * 1024, 8192
+    policy = restore.SplitPolicy(explore_every=3)
+    assert policy.start(n, 1024, bpt, False) == 4096
+    policy.observe_prefill(4096, 0.48)
+    policy.observe_read(4096 * bpt, 0.038, cached=False)
+    choices = [policy.start(n, 1024, bpt, False) for _ in range(3)]
+    assert choices[:2] == [0, 0] and choices[2] > 0  # the third whole read in a row is a split instead
+    policy.observe_prefill(choices[2], 0.027)
+    assert all(policy.start(n, 1024, bpt, False) > 0 for _ in range(5))
