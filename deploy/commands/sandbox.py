@@ -100,7 +100,8 @@ def run(args) -> int:
         cfg = SandboxConfig(**{k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         err = exc.errors()[0]
-        raise UserError(f"bad sandbox option {err['loc'][0]}: {err['msg']}") from None
+        where = f" {err['loc'][0]}" if err["loc"] else "s"  # a check across options has no single field
+        raise UserError(f"bad sandbox option{where}: {err['msg']}") from None
     from wal.errors import WALError
 
     try:

@@ -76,6 +76,8 @@ def test_errors_are_one_clear_line(tmp_path, args, needle):
     (["data", "plan", "--config", "{tmp}/binary.toml"], "is not UTF-8 text"),
     (["data", "stats", "--catalog", "{tmp}/garbage.db"], "cannot open: file is not a database"),
     (["data", "plan", "--catalog", "{tmp}/c.db", "--store", "{tmp}/s", "--epoch", "-1"], "--epoch -1: an epoch number is >= 0"),
+    (["sandbox", "serve", "--log-dir", "{tmp}/sb", "--first-slot", "250"], "exceed the 256 execution slots"),
+    (["sandbox", "serve", "--log-dir", "{tmp}/sb", "--max-concurrent", "0"], "bad sandbox option max_concurrent"),
 ])
 def test_bad_files_and_values_are_one_clear_line(tmp_path, args, needle):
     (tmp_path / "bad.yaml").write_text('dataplane:\n  catalog: "x\n')
