@@ -13,6 +13,7 @@ import sys
 import threading
 from concurrent import futures
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 
@@ -52,6 +53,38 @@ def _wal_status(exc: WALError) -> grpc.StatusCode:
     if isinstance(exc, LogClosedError):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+class _Undecodable(NamedTuple):
+    """A request that did not parse: the handler answers INVALID_ARGUMENT, naming why."""
+
+    why: str
+
+
+def _parse(message):
+    """The request deserializer: a message, or `_Undecodable` (gRPC's own answered INTERNAL, naming nothing)."""
+    def parse(raw: bytes):
+        try:
+            return message.FromString(raw)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, and invalid UTF-8 in a string field
+            return _Undecodable(f"{message.__name__} does not parse: {type(exc).__name__}: {exc}"[:300])
+    return parse
+
+
+def _handlers(servicer) -> grpc.GenericRpcHandler:
+    """The service's methods, their requests parsed by `_parse`."""
+    def method(fn, request):
+        def handle(req, context):
+            if isinstance(req, _Undecodable):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, req.why)
+            return fn(req, context)
+        return grpc.unary_unary_rpc_method_handler(handle, request_deserializer=_parse(request),
+                                                   response_serializer=lambda m: m.SerializeToString())
+    return grpc.method_handlers_generic_handler("postrain.sandbox.Sandbox", {
+        "Execute": method(servicer.Execute, pb.ExecuteRequest),
+        "Entries": method(servicer.Entries, pb.EntriesRequest),
+        "Info": method(servicer.Info, pb.InfoRequest),
+    })
 
 
 class Servicer(pb_grpc.SandboxServicer):
@@ -159,7 +192,7 @@ class SandboxServer:
                      ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=cfg.max_concurrent + cfg.max_queued + 32,
         )
-        pb_grpc.add_SandboxServicer_to_server(Servicer(self.service, cfg), self._server)
+        self._server.add_generic_rpc_handlers((_handlers(Servicer(self.service, cfg)),))
         try:
             self.port = self._server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         except RuntimeError:  # grpc raises this when the address is taken

@@ -118,6 +118,25 @@ def test_malformed_requests_are_refused(server, request_, code, words):
     assert words in exc.value.details()
 
 
+@pytest.mark.parametrize("raw,words", [
+    (b"\xff\xff\xff\xff", "ExecuteRequest does not parse"),  # not a message
+    (b"\x0a\x02\xc3\x28", "ExecuteRequest does not parse"),  # sandbox_id of invalid UTF-8
+    (pb.ExecuteRequest(sandbox_id="s", seq=1).SerializeToString()[:-1] + b"\x0a\x09ab", "does not parse"),  # cut short
+])
+def test_bytes_that_are_no_request_are_refused_as_invalid(server, raw, words):
+    """Bytes that do not parse as the request: INVALID_ARGUMENT naming it, where gRPC answered INTERNAL
+    ('Exception deserializing request!'); nothing is logged and the service goes on."""
+    channel = grpc.insecure_channel(server.target)
+    try:
+        call = channel.unary_unary("/postrain.sandbox.Sandbox/Execute")
+        with pytest.raises(grpc.RpcError) as exc:
+            call(raw, timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    finally:
+        channel.close()
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in exc.value.details()
+    assert not _raw_execute(server, TOKEN, _request(sid=f"after-{raw.hex()[:16]}")).replayed  # the service goes on
+
+
 def test_bad_tool_input_is_a_logged_tool_error(client, server):
     """The model's mistakes (unknown tool, bad args) are answered, logged and replayed like any result."""
     cases = [("rm", "-rf /", "unknown tool"), ("calc", "1+" * 200, "longer than"),

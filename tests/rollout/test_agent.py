@@ -134,3 +134,36 @@ def test_a_service_fault_is_never_committed_as_a_tool_result(tmp_path, tiny_poli
         assert out[traj].continued and out[traj].executed
         assert tok.decode(eng.seqs[traj].tokens[plens[traj]:]).endswith(f"</call><result>{a * b}</result>")
     log.close()
+
+
+def test_a_worker_keeps_a_call_the_service_did_not_answer_and_asks_again(tmp_path, tiny_policy, tiny_ckpt, service):
+    """A trajectory resumed paused on its committed call, its worker holding a wrong sandbox token: the run
+    commits nothing for the call and counts it; once the service answers, the next run gets the result."""
+    from rollout.config import EngineConfig
+    from rollout.types import Request
+    from rollout.worker import RolloutWorker, WorkerSpec
+
+    tok = tiny_policy[1]
+    prompt = "mul 12*34="
+    p, c = tok.encode(prompt), tok.encode("<call>calc: 12*34</call>")
+    log = wal.open(tmp_path / "wal")
+    log.append("calc-1", 0, p, [ENV_LOGPROB] * len(p), 0)
+    log.append("calc-1", len(p), c, [-1.0] * len(c), 0)
+    log.commit()
+    log.close()
+    spec = WorkerSpec(name="w", checkpoint=str(tiny_ckpt), wal_path=str(tmp_path / "wal"),
+                      snapshot_uri=str(tmp_path / "kv"), seed=1, engine=EngineConfig(max_batch=2, strict=True),
+                      sandbox_target=service.target, sandbox_token="not-the-service-token")
+    w = RolloutWorker(spec)
+    try:
+        w.submit([Request("calc-1", "calc", prompt, SamplingParams(max_new_tokens=40, stop=("</call>",)))])
+        rep = w.run(2)
+        assert w.counters["tool_service_unanswered"] == 1 and not rep.idle and w.counters["tool_executed"] == 0
+        assert w.wal.tokens("calc-1") == p + c and w.engine.seqs["calc-1"].state == "paused"
+        w.tools.close()
+        w.tools = agent.ToolGateway(service.target, TOKEN)
+        w.run(2)
+        assert w.counters["tool_executed"] == 1
+        assert tok.decode(w.wal.tokens("calc-1")[len(p):]).startswith("<call>calc: 12*34</call><result>408</result>")
+    finally:
+        w.close()
