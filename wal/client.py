@@ -309,12 +309,7 @@ class RemoteWAL(TokenLog):
         ids = list(dict.fromkeys(traj_ids))
         out: dict[str, Committed | None] = {}
         while self._batched and len(out) < len(ids):
-            ask, room = [], self._max_msg // 2  # a request within the message bound, however many ids
-            for t in ids[len(out):]:
-                room -= len(codec._id_bytes(t, "traj_id")) + 4
-                if ask and room < 0:
-                    break
-                ask.append(t)
+            ask = ids[len(out):codec.ids_within(ids, len(out), self._max_msg // 2)]  # within the message bound
             try:
                 rep = self._call("ReadMany", pb.ReadManyRequest(traj_ids=ask))
             except _Unimplemented:

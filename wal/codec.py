@@ -73,6 +73,18 @@ _I32_MAX = (1 << 31) - 1
 U64_LIMIT = 1 << 64  # policy versions and positions are stored as u64
 
 
+def ids_within(ids, start: int, room: int) -> int:
+    """The end of the run of `ids` from `start` whose UTF-8 (and a few bytes of framing each) fits `room`
+    bytes, at least one id past `start`: how many ids one message of a bounded size carries."""
+    end = start
+    while end < len(ids):
+        room -= len(_id_bytes(ids[end], "traj_id")) + 4
+        if end > start and room < 0:
+            break
+        end += 1
+    return end
+
+
 def check_u64(value: int, what: str) -> int:
     """`value` (an integer) if it fits a record's u64 field, else CodecError naming the field."""
     if not 0 <= value < U64_LIMIT:

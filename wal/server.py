@@ -194,12 +194,7 @@ class TokenLogService:
         if not req.paged:
             return pb.TrajectoriesReply(traj_ids=ids)
         start = bisect.bisect_right(ids, req.after) if req.after else 0
-        end, room = start, self.serve.max_message_bytes // 2
-        while end < len(ids):
-            room -= len(ids[end].encode()) + 4
-            if end > start and room < 0:
-                break
-            end += 1
+        end = codec.ids_within(ids, start, self.serve.max_message_bytes // 2)
         return pb.TrajectoriesReply(traj_ids=ids[start:end], more=end < len(ids))
 
     async def Finalize(self, raw, context):

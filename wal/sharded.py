@@ -71,8 +71,7 @@ class ShardedWAL(TokenLog):
             codec._id_bytes(t, "traj_id")
             parts.setdefault(shard_of(t, len(self.logs)), []).append(i)
         for k, idx in parts.items():
-            self.logs[k].append_step([traj_ids[i] for i in idx], pos[idx].tolist(), tok[idx].tolist(), lp[idx].tolist(),
-                                     policy_version)
+            self.logs[k].append_step([traj_ids[i] for i in idx], pos[idx], tok[idx], lp[idx], policy_version)
             self._dirty.add(k)
 
     def commit(self) -> int:

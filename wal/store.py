@@ -388,7 +388,7 @@ class Store:
     # --- retention ---
     def _live(self, rec: Record) -> bool:
         if isinstance(rec, TokensRecord):
-            return rec.traj_id not in self.tokens.finalized and not cuts.is_cut(self._cuts, rec.traj_id, rec.start, rec.lsn)
+            return self._live_item(rec.traj_id, rec.start, rec.lsn)
         if isinstance(rec, StepRecord):  # copied while any of its items lives, without the others (`_live_items`)
             if self._cuts:
                 return any(self._live_item(t, p, rec.lsn) for t, p in zip(rec.traj_ids, rec.starts))

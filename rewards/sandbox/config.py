@@ -41,12 +41,16 @@ class SandboxConfig(BaseModel):
     output_bytes: int = Field(64 << 10, ge=1 << 10, le=16 << 20, description="stdout and stderr bound each; beyond: killed")
 
     @model_validator(mode="after")
-    def _an_entry_fits_a_reply(self):
-        """A call's request and its result travel together in an Entries reply (a resume's fast-forward): a
-        result that could not be sent would leave its sandbox stuck for good."""
+    def _slots_fit_the_host(self):
         if self.first_slot + self.max_concurrent > 256:
             raise ValueError(f"first_slot ({self.first_slot}) + max_concurrent ({self.max_concurrent}) exceed the 256 "
                              "execution slots of a host")
+        return self
+
+    @model_validator(mode="after")
+    def _an_entry_fits_a_reply(self):
+        """A call's request and its result travel together in an Entries reply (a resume's fast-forward): a
+        result that could not be sent would leave its sandbox stuck for good."""
         need = self.max_request_bytes + self.output_bytes + ENTRY_OVERHEAD_BYTES
         if need > RESPONSE_LIMIT_BYTES:
             raise ValueError(f"max_request_bytes ({self.max_request_bytes}) + output_bytes ({self.output_bytes}) must "
