@@ -9,6 +9,8 @@ the figure is the median of the per-pair differences:
 - `warm`: both sides pre-started and waiting on stdin (as the service keeps one sandbox per slot),
   timed from handing over the program to the result: what isolation adds once start-up is off the
   critical path (bubblewrap's pid-1 reaper, namespace teardown, the filter on each system call).
+Memory cgroup: the same cold sandbox with and without the per-slot memory cgroup (both isolation figures
+above include it where the machine allows one, as the service does by default).
 Service: `postrain sandbox serve` as a child process; each client thread owns a sandbox and issues
 calls seq 0, 1, 2, … over gRPC (token auth, environment-log fsyncs, a fresh sandbox per call),
 against `subprocess.run` of the same command with no isolation, log or gRPC, 1 and 8 clients.
@@ -113,12 +115,12 @@ def _drive(clients: int, calls: int, one_call) -> tuple[list[float], float]:
 
 def isolation_pairs(pairs: int) -> dict:
     """Cold and warm: per pair, the same call sandboxed and bare; medians of the differences."""
+    from rewards.sandbox.config import SandboxConfig
     from rewards.sandbox.isolation import UID_BASE, Isolator, encode_program, prelude_command
     from rewards.sandbox.tools import calc_program
-    from rewards.sandbox.types import Limits
 
     python = os.path.realpath(sys.executable)
-    iso, limits = Isolator(), Limits()
+    iso, limits = Isolator(), SandboxConfig().limits()  # the service's defaults: its memory cgroup too
 
     def bare_start() -> subprocess.Popen:
         return subprocess.Popen(prelude_command(python, limits, -1, limits.processes), stdin=subprocess.PIPE,
@@ -127,6 +129,9 @@ def isolation_pairs(pairs: int) -> dict:
 
     def sandbox_start() -> subprocess.Popen:
         return iso.prestart(python, limits, SLOT)
+
+    def sandbox_without_cgroup_start() -> subprocess.Popen:
+        return iso.prestart(python, limits._replace(memory_bytes=0), SLOT)
 
     def call(start, warm: bool, expr: str, expected: str) -> float:
         program = encode_program(*calc_program(expr))
@@ -142,24 +147,32 @@ def isolation_pairs(pairs: int) -> dict:
             raise RuntimeError(f"{expr} gave {out}")
         return ms
 
-    rng = random.Random(0)
-    result = {}
-    for mode in ("cold", "warm"):
-        sand, bare, diff = [], [], []
-        for i in range(pairs + 2):  # the first two pairs warm caches and are dropped
-            a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
-            expr, want = f"{a}*{b}", str(a * b)
-            if i % 2:
-                s = call(sandbox_start, mode == "warm", expr, want)
-                p = call(bare_start, mode == "warm", expr, want)
-            else:
-                p = call(bare_start, mode == "warm", expr, want)
-                s = call(sandbox_start, mode == "warm", expr, want)
-            if i >= 2:
-                sand.append(s), bare.append(p), diff.append(s - p)
-        result[mode] = {"sandboxed": _summary(sand), "bare": _summary(bare),
-                        "overhead_p50_ms": round(_pct(sorted(diff), 0.5), 2),
-                        "overhead_p90_ms": round(_pct(sorted(diff), 0.9), 2)}
+    try:
+        rng = random.Random(0)
+        result = {"memory_cgroup": iso.memory_note or f"cgroup v{iso.cgroups.version}, {limits.memory_bytes >> 20} MiB "
+                                                      "per execution (the service's default)"}
+        # (mode, the baseline side, warm); the last: what the memory cgroup alone adds to a cold sandbox
+        modes = [("cold", bare_start, False), ("warm", bare_start, True)]
+        if iso.cgroups is not None and limits.memory_bytes:
+            modes.append(("cold_memory_cgroup", sandbox_without_cgroup_start, False))
+        for mode, baseline, warm in modes:
+            sand, bare, diff = [], [], []
+            for i in range(pairs + 2):  # the first two pairs warm caches and are dropped
+                a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
+                expr, want = f"{a}*{b}", str(a * b)
+                if i % 2:
+                    s = call(sandbox_start, warm, expr, want)
+                    p = call(baseline, warm, expr, want)
+                else:
+                    p = call(baseline, warm, expr, want)
+                    s = call(sandbox_start, warm, expr, want)
+                if i >= 2:
+                    sand.append(s), bare.append(p), diff.append(s - p)
+            result[mode] = {"sandboxed": _summary(sand), "bare": _summary(bare),
+                            "overhead_p50_ms": round(_pct(sorted(diff), 0.5), 2),
+                            "overhead_p90_ms": round(_pct(sorted(diff), 0.9), 2)}
+    finally:
+        iso.close()
     return result
 
 
@@ -242,13 +255,16 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_1m": {"start": round(load_start, 2), "end": round(os.getloadavg()[0], 2)},  # the machine is shared
         "tool": "calc (rewards.calculator in a fresh `python -I -S` behind the sandbox prelude)",
         "isolation": "bubblewrap (net, pid, ipc, uts, cgroup namespaces; minimal read-only view; seccomp filter), "
-                     "rlimits, a uid per slot",
+                     "rlimits, a uid per slot, a memory cgroup per slot where the service may create one",
+        "memory_cgroup": iso["memory_cgroup"],
         "method": "isolation_*: the same prelude + program sandboxed and bare, in pairs with alternating order; "
                   "overhead = median of per-pair differences; cold = start to result, warm = both pre-started and "
                   "waiting on stdin, program to result. service: gRPC + environment log + pre-started sandboxes, "
                   "against subprocess.run of the same command",
         "isolation_cold": iso["cold"],
         "isolation_warm": iso["warm"],
+        # the same cold sandbox with and without its memory cgroup ("bare" = without)
+        "memory_cgroup_cold": iso.get("cold_memory_cgroup"),
         **svc,
         "targets": {
             "isolation_overhead_cold_p50_ms": {"value": cold, "goal": "<= 50", "met": cold <= 50},

@@ -20,6 +20,11 @@ def add_arguments(p):
                    help="first execution slot (uid 61000 + slot; default 0): services on one host need disjoint ranges")
     s.add_argument("--max-queued", type=int, default=None, help="calls waiting for a slot before RESOURCE_EXHAUSTED (default 64)")
     s.add_argument("--wall-s", type=float, default=None, help="wall clock of one execution in seconds (default 5)")
+    s.add_argument("--memory-mb", type=int, default=None,
+                   help="memory of one whole execution, MiB, bounded by a memory cgroup (default 1024; 0: none)")
+    s.add_argument("--memory-cgroup", choices=("auto", "required", "off"), default=None,
+                   help="auto (default): a memory cgroup per slot where the service may create one, else memory is "
+                        "bounded per process only; required: refuse to start without; off: none")
     s.add_argument("--allow-weaker-isolation", action="store_true", default=None,
                    help="start even where the seccomp filter or the ban on nested user namespaces is unavailable "
                         "(default: refuse, naming what is missing)")
@@ -95,6 +100,7 @@ def run(args) -> int:
     fields = {"host": args.host, "port": args.port, "log_dir": args.log_dir, "max_concurrent": args.max_concurrent,
               "first_slot": args.first_slot,
               "max_queued": args.max_queued, "wall_s": args.wall_s,
+              "memory_mb": args.memory_mb, "memory_cgroup": args.memory_cgroup,
               "allow_weaker_isolation": args.allow_weaker_isolation}
     try:
         cfg = SandboxConfig(**{k: v for k, v in fields.items() if v is not None})

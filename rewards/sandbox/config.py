@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -39,12 +40,24 @@ class SandboxConfig(BaseModel):
     file_size_mb: int = Field(8, ge=1, le=1 << 20, description="RLIMIT_FSIZE, MiB")
     tmp_mb: int = Field(32, ge=1, le=1 << 20, description="size of the private /tmp of one execution, MiB")
     output_bytes: int = Field(64 << 10, ge=1 << 10, le=16 << 20, description="stdout and stderr bound each; beyond: killed")
+    memory_mb: int = Field(1024, ge=0, le=1 << 20, description="memory of one whole execution (every process, its /tmp), "
+                           "MiB, bounded by a memory cgroup per slot; over it the kernel kills (memory_limit); 0: none")
+    memory_cgroup: Literal["auto", "required", "off"] = Field(
+        "auto", description="auto: bound memory_mb by a cgroup where the service may create one (root, a writable "
+        "hierarchy), else per process only (printed at start); required: refuse to start without; off: none")
 
     @model_validator(mode="after")
     def _slots_fit_the_host(self):
         if self.first_slot + self.max_concurrent > 256:
             raise ValueError(f"first_slot ({self.first_slot}) + max_concurrent ({self.max_concurrent}) exceed the 256 "
                              "execution slots of a host")
+        return self
+
+    @model_validator(mode="after")
+    def _memory_holds_an_interpreter(self):
+        if 0 < self.memory_mb < 64 + self.tmp_mb:
+            raise ValueError(f"memory_mb ({self.memory_mb}) must be 0 or at least 64 + tmp_mb ({self.tmp_mb}): an "
+                             "interpreter and a full /tmp count against it")
         return self
 
     @model_validator(mode="after")
@@ -60,4 +73,5 @@ class SandboxConfig(BaseModel):
     def limits(self) -> Limits:
         return Limits(wall_s=self.wall_s, cpu_s=self.cpu_s, address_space_bytes=self.address_space_mb << 20,
                       processes=self.processes, file_size_bytes=self.file_size_mb << 20,
-                      tmp_bytes=self.tmp_mb << 20, output_bytes=self.output_bytes)
+                      tmp_bytes=self.tmp_mb << 20, output_bytes=self.output_bytes,
+                      memory_bytes=0 if self.memory_cgroup == "off" else self.memory_mb << 20)

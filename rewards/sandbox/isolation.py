@@ -20,7 +20,10 @@ Each execution gets:
   critical path without any sandbox ever running two programs;
 - a wall clock: on expiry or on too much output the whole process group is SIGKILLed; killing
   bubblewrap's pid-1 reaper takes the pid namespace down with it, and every process still owned by
-  the execution's uid is swept.
+  the execution's uid is swept;
+- where the machine lets the service create memory cgroups (`memcg.py`) and the limits ask for it, one
+  memory bound on the whole execution (every process and its /tmp), whose out-of-memory kills the
+  service counts from the kernel.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from rewards.sandbox import syscall_filter, view
+from rewards.sandbox import memcg, syscall_filter, view
 from rewards.sandbox.types import Limits, RunOutcome
 
 UID_BASE = 61000  # execution uids are UID_BASE + slot; chosen far from distribution-assigned ids
@@ -199,9 +202,14 @@ class Isolator:
     `hidden`: host directories the sandbox must not see even where they lie inside a read-only bind of the
     view (the state directory; always the service user's home, the project source and this interpreter's
     virtual environment). `allow_weaker`: start even when a layer is missing (listed in `.missing`).
+    `memory_cgroup`: "auto" bounds an execution's memory by a cgroup where this machine allows one (else
+    `.memory_note` says why not), "required" refuses to start without, "off" uses none; the bound itself is
+    Limits.memory_bytes (0: none).
     """
 
-    def __init__(self, hidden: list[Path] = (), allow_weaker: bool = False):
+    def __init__(self, hidden: list[Path] = (), allow_weaker: bool = False, memory_cgroup: str = "auto"):
+        if memory_cgroup not in ("auto", "required", "off"):
+            raise ValueError(f"memory_cgroup {memory_cgroup!r}: choose auto, required or off")
         reason = probe()
         if reason is not None:
             raise IsolationUnavailable(reason)
@@ -221,6 +229,22 @@ class Isolator:
         project = Path(__file__).resolve().parents[2]
         self.hidden = [Path(p).resolve() for p in (*hidden, Path.home(), project, sys.prefix)]
         self._views: dict[tuple[str, int], list[str]] = {}
+        self.cgroups, self.memory_note = None, "memory cgroups off"
+        if memory_cgroup != "off":
+            try:
+                self.cgroups, self.memory_note = memcg.SlotCgroups(), None
+            except memcg.CgroupUnavailable as exc:
+                if memory_cgroup == "required":
+                    raise IsolationUnavailable(f"no memory cgroup for the executions: {exc}") from None
+                self.memory_note = f"no memory cgroup ({exc}): memory is bounded per process only"
+
+    def close(self) -> None:
+        """Remove the slots' memory cgroups (after every sandbox of this Isolator has ended)."""
+        if self.cgroups is not None:
+            if self.as_root:
+                for slot in self.cgroups.slots():
+                    self._sweep(UID_BASE + slot)
+            self.cgroups.close()
 
     def _mounts(self, python: str, limits: Limits) -> list[str]:
         key = (python, limits.tmp_bytes)
@@ -237,13 +261,16 @@ class Isolator:
             return ns
         return ["--unshare-user", *(["--disable-userns"] if self.disable_userns else []), *ns]
 
-    def _popen(self, argv: list[str]) -> subprocess.Popen:
-        """Start bubblewrap `argv`, with the seccomp filter (`--seccomp FD`, a fresh pipe) inserted before `--`."""
+    def _popen(self, argv: list[str], slot: int, limits: Limits) -> subprocess.Popen:
+        """Start bubblewrap `argv` as slot `slot`, with the seccomp filter (`--seccomp FD`, a fresh pipe) inserted
+        before `--`, inside the slot's memory cgroup where there is one and `limits` ask for it."""
         fd = syscall_filter.program_fd(self.seccomp) if self.seccomp is not None else None
         try:
             if fd is not None:
                 at = argv.index("--")
                 argv = [*argv[:at], "--seccomp", str(fd), *argv[at:]]
+            if self.cgroups is not None and limits.memory_bytes:
+                argv = self.cgroups.enter_argv(slot, limits.memory_bytes, argv)
             return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True, close_fds=True, env=BWRAP_ENV,
                                     pass_fds=() if fd is None else (fd,))
@@ -282,7 +309,7 @@ class Isolator:
         --die-with-parent binds it to the calling *thread*: a sandbox whose starter thread ended is
         found dead by run_python, which then starts a fresh one."""
         _check_slot(slot)
-        return self._popen(self.python_argv(python, limits, UID_BASE + slot))
+        return self._popen(self.python_argv(python, limits, UID_BASE + slot), slot, limits)
 
     def run_python(self, python: str, code: str, args: list[str], limits: Limits, slot: int,
                    started: subprocess.Popen | None = None) -> RunOutcome:
@@ -307,12 +334,14 @@ class Isolator:
         """Run any `command` isolated as execution slot `slot` (its uid is UID_BASE + slot)."""
         _check_slot(slot)
         start = time.monotonic()
-        proc = self._popen(self.argv(command, limits, UID_BASE + slot))
+        proc = self._popen(self.argv(command, limits, UID_BASE + slot), slot, limits)
         return self.collect(proc, limits, UID_BASE + slot, start, stdin)
 
     def collect(self, proc: subprocess.Popen, limits: Limits, uid: int, start: float, stdin: bytes) -> RunOutcome:
         """Feed `stdin`, then read bounded output until exit, the wall clock or the output bound."""
         deadline = start + limits.wall_s
+        slot = uid - UID_BASE
+        oom_before = self.cgroups.oom_kills(slot) if self.cgroups is not None else 0
         if len(stdin) > PIPE_BYTES:
             self.discard(proc)
             raise ValueError(f"stdin of {len(stdin)} bytes exceeds {PIPE_BYTES}: it could block past the wall clock")
@@ -384,7 +413,8 @@ class Isolator:
         code = proc.returncode
         if 128 < code < 128 + 65:  # bwrap's pid 1 reports a child killed by signal N as exit 128 + N
             code = -(code - 128)
-        return RunOutcome(code, bytes(out), bytes(err), timed_out, exceeded, wall_ms, peak_tasks)
+        oom_kills = self.cgroups.oom_kills(slot) - oom_before if self.cgroups is not None else 0
+        return RunOutcome(code, bytes(out), bytes(err), timed_out, exceeded, wall_ms, peak_tasks, oom_kills)
 
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:

@@ -173,9 +173,12 @@ class SandboxServer:
         python = os.path.realpath(sys.executable)
         self.isolator = None
         if cfg.require_isolation or probe() is None:
-            self.isolator = Isolator(hidden=[log_dir], allow_weaker=cfg.allow_weaker_isolation)
+            self.isolator = Isolator(hidden=[log_dir], allow_weaker=cfg.allow_weaker_isolation,
+                                     memory_cgroup=cfg.memory_cgroup)
             if self.isolator.missing:
                 print("sandbox: WEAKER isolation, missing: " + "; ".join(self.isolator.missing), file=sys.stderr)
+            if self.isolator.memory_note and cfg.memory_cgroup != "off" and cfg.memory_mb:
+                print(f"sandbox: {self.isolator.memory_note}", file=sys.stderr)
         else:
             print(f"sandbox: WITHOUT isolation ({probe()}): calc runs in-process, python is refused", file=sys.stderr)
         self.log = wal.open_envlog(log_dir / "envlog")
@@ -198,8 +201,7 @@ class SandboxServer:
         except RuntimeError:  # grpc raises this when the address is taken
             self.port = 0
         if self.port == 0:
-            toolbox.close()
-            self.log.close()
+            self._close_parts()
             raise OSError(f"cannot bind {cfg.host}:{cfg.port} (address in use?)")
         self._server.start()
         self._stopped = threading.Event()
@@ -216,5 +218,10 @@ class SandboxServer:
             return
         self._stopped.set()
         self._server.stop(grace_s).wait()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
         self.toolbox.close()
+        if self.isolator is not None:
+            self.isolator.close()
         self.log.close()

@@ -87,12 +87,19 @@ def _last_line(data: bytes, limit: int = 300) -> str:
 
 
 def classify(run: RunOutcome, limits: Limits) -> tuple[str, str]:
-    """(error_kind, reason) of an isolated run; ("", "") if it exited 0 within every bound."""
+    """(error_kind, reason) of an isolated run; ("", "") if it exited 0 within every bound.
+
+    The output bound, the wall clock, the out-of-memory kills of the execution's cgroup and the task census
+    are observed by the service. The rest is read from what the tool did, its exit status and its stderr,
+    which the tool controls: a tool can make its own failure read as a limit it did not hit."""
     err = run.stderr.decode("utf-8", errors="replace")
     fork_failed = ("BlockingIOError" in err or "Resource temporarily unavailable" in err
                    or run.peak_tasks >= limits.processes)
     if run.output_exceeded:
         return T.OUTPUT_LIMIT, f"output above {limits.output_bytes} bytes: process tree killed"
+    if run.oom_kills:
+        return T.MEMORY_LIMIT, (f"execution memory limit {limits.memory_bytes} bytes (all its processes and /tmp): "
+                                f"the kernel killed {run.oom_kills} process{'es' if run.oom_kills > 1 else ''}")
     if run.timed_out:
         if fork_failed:
             return T.PROCESS_LIMIT, f"hit the process limit ({limits.processes}); killed at the wall clock ({limits.wall_s:g}s)"

@@ -8,7 +8,7 @@ from typing import NamedTuple
 TOOL_ERROR = "tool_error"            # the tool ran and failed (non-zero exit, calculator error, bad args)
 TIMEOUT = "timeout"                  # wall-clock limit: the whole process tree was killed
 CPU_LIMIT = "cpu_limit"              # RLIMIT_CPU
-MEMORY_LIMIT = "memory_limit"        # RLIMIT_AS
+MEMORY_LIMIT = "memory_limit"        # RLIMIT_AS, or the execution's memory cgroup
 PROCESS_LIMIT = "process_limit"      # RLIMIT_NPROC (fork bomb)
 FILE_SIZE_LIMIT = "file_size_limit"  # RLIMIT_FSIZE or the tmpfs size
 OUTPUT_LIMIT = "output_limit"        # stdout/stderr beyond the bound: killed
@@ -28,6 +28,7 @@ class Limits(NamedTuple):
     file_size_bytes: int = 8 << 20     # RLIMIT_FSIZE: largest file it may write
     tmp_bytes: int = 32 << 20          # size of its private /tmp (tmpfs)
     output_bytes: int = 64 << 10       # stdout and stderr each; beyond: killed, output_limit
+    memory_bytes: int = 0              # the whole execution's memory (a cgroup, where there is one); 0: none
 
 
 class RunOutcome(NamedTuple):
@@ -40,6 +41,7 @@ class RunOutcome(NamedTuple):
     output_exceeded: bool
     wall_ms: int
     peak_tasks: int = 0     # most tasks seen under the execution's uid (sampled every 0.1 s; root only)
+    oom_kills: int = 0      # processes the kernel killed for the execution's memory cgroup (read by the service)
 
 
 class ToolOutcome(NamedTuple):
