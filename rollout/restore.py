@@ -10,10 +10,11 @@ the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the
 
 The split point comes from costs this process has measured (`SplitPolicy`): a head's prefill (a fixed
 part and seconds per token, once heads of different sizes were seen; else the lowest rate of the recent
-heads) and seconds per byte read cold. Of
-the whole read and a split at each block boundary it takes the quickest by those costs: a prefill's
-fixed part (~28 ms for this model on an H100 host, whatever the head's size up to 6k tokens) makes a
-short snapshot read whole. Until both are known the first resume splits in the middle, which measures
+heads) and seconds per byte read cold. Of the whole read, a split at each block boundary and a prefill of
+every token (the snapshot left unread) it takes the quickest by those costs: a prefill's fixed part (~28 ms
+for this model on an H100 host, whatever the head's size up to 6k tokens) makes a short snapshot read
+whole, and where a cold read is slower than the prefill of all of it (8k tokens there: 72 ms against 35)
+the tokens are prefilled. Until both are known the first resume splits in the middle, which measures
 both. A snapshot partly in
 the page cache (a split resume read its tails) splits like a cold one, but its read teaches no rate: it
 is neither a cold read nor a warm one (taken for cold, such reads of cached tails halved the cold rate on
@@ -38,6 +39,9 @@ import torch
 from rollout.snapshot import SnapshotRejected, SnapshotStore
 
 
+RECOMPUTE = "recompute_quicker"  # Resumed.rejected of a snapshot left unread: re-prefilling all was quicker
+
+
 @dataclass(frozen=True)
 class Resumed:
     prefilled: int  # tokens the engine prefilled (the head, and whatever no KV covered)
@@ -47,19 +51,24 @@ class Resumed:
 
 
 def affine_fit(obs, min_span: float = 1.5) -> tuple[float, float] | None:
-    """(fixed seconds, seconds per unit) of the least-squares line through `obs` [(units, seconds)], or None
-    when the sizes span less than `min_span`x (a line through one size is noise) or the line is not a cost
-    (a negative fixed part or a rate of zero or less)."""
-    if len(obs) < 2:
-        return None
-    xs, ys = [x for x, _ in obs], [y for _, y in obs]
-    if max(xs) < min_span * min(xs):
-        return None
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    fixed = my - slope * mx
-    return (fixed, slope) if slope > 0 and fixed >= 0 else None
+    """(fixed seconds, seconds per unit) of the line through two of `obs` [(units, seconds)] closest to all of
+    them (least absolute deviations, over the pairs whose sizes span at least `min_span`x: a line through one
+    size is noise), or None where no pair gives a cost (a fixed part >= 0, a rate > 0). Not least squares: one
+    slow prefill (a new shape's one-time costs, 480 ms against 27 on an H100 host) tilts a least-squares line
+    through a handful of heads until no split pays; it moves this one only when it is most of the points."""
+    best = None
+    for i, (x1, y1) in enumerate(obs):
+        for x2, y2 in obs[i + 1:]:
+            if max(x1, x2) < min_span * min(x1, x2):
+                continue
+            slope = (y2 - y1) / (x2 - x1)
+            fixed = y1 - slope * x1
+            if slope <= 0 or fixed < 0:
+                continue
+            err = sum(abs(y - fixed - slope * x) for x, y in obs)
+            if best is None or err < best[0]:
+                best = (err, fixed, slope)
+    return None if best is None else best[1:]
 
 
 class SplitPolicy:
@@ -74,7 +83,7 @@ class SplitPolicy:
         self.enabled, self.alpha, self.split_cached = enabled, alpha, split_cached
         self.prefill_s_per_token: float | None = None  # average seconds per head token (reported; not the model's)
         self.prefills: collections.deque = collections.deque(maxlen=window)  # (tokens, seconds) of recent heads
-        # after this many whole reads in a row that a split could have taken, one split measures the head again:
+        # after this many resumes in a row not split (whole reads, whole prefills), one split measures again:
         # a slow first prefill (a new shape's one-time costs: 480 ms for a 4k head on an H100 host, against
         # 27 ms after) must not keep every later resume from splitting
         self.explore_every, self._unsplit = explore_every, 0
@@ -104,10 +113,11 @@ class SplitPolicy:
         return fit or (None if rate is None else (0.0, rate))
 
     def start(self, token_count: int, block: int, bytes_per_token: int, cached: bool) -> int:
-        """The first token whose KV is read (a block boundary; 0 reads all): of the whole read and the split
-        at each block boundary (a split takes the longer of its head's prefill and its tail's read), the one
-        the measured costs say is quickest. The tail keeps at least one block. A cached snapshot reads whole
-        unless `split_cached`; with nothing measured yet, the split is in the middle."""
+        """The first token whose KV is read (a block boundary; 0 reads all; `token_count` reads nothing): of the
+        whole read, the split at each block boundary (a split takes the longer of its head's prefill and its
+        tail's read) and a prefill of every token, the one the measured costs say is quickest (the earliest of
+        equals: reading is what the snapshot is for). A split's tail keeps at least one block. A cached
+        snapshot reads whole unless `split_cached`; with nothing measured yet, the split is in the middle."""
         if not self.enabled or block < 1 or token_count < 2 * block or (cached and not self.split_cached):
             return 0
         last = (token_count - 1) // block * block
@@ -120,9 +130,9 @@ class SplitPolicy:
         def seconds(at: int) -> float:
             return token_count * read if at == 0 else max(fixed + p * at, read * (token_count - at))
 
-        best = min(range(0, last + 1, block), key=seconds)
+        best = min([*range(0, last + 1, block), token_count], key=seconds)
         with self._lock:
-            self._unsplit = self._unsplit + 1 if best == 0 else 0
+            self._unsplit = self._unsplit + 1 if best in (0, token_count) else 0
             if self._unsplit < self.explore_every:
                 return best
             self._unsplit = 0
@@ -156,6 +166,11 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
         start = 0 if eng.strict or on_cpu else policy.start(n, f.block_tokens, per_token, cached)
         rejected: list[str] = []
         t0 = time.perf_counter()
+        if start >= n:  # a prefill of every token is quicker than any read of the snapshot
+            prefilled = eng.add(traj, tokens, sampled, params)
+            _sync(eng.device)
+            policy.observe_prefill(prefilled, time.perf_counter() - t0)
+            return Resumed(prefilled, 0, 0, RECOMPUTE)
         if start == 0:
             try:
                 kv = f.read(0, eng.device, threads)

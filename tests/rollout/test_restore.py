@@ -76,9 +76,10 @@ def test_the_tail_comes_from_the_snapshot_not_from_a_prefill(tiny_policy, tmp_pa
     store.put("r", encode("r", tokens[:covered], odd, 0, Engine(model, tok).fingerprint))
     eng = Engine(model, tok, seed=3, max_batch=2)
     policy = restore.SplitPolicy(split_cached=True)
-    policy.observe_prefill(1, 1.0)
-    policy.read_s_per_byte[True], policy.read_s_per_byte[False] = 1e9, 1e9
-    r = restore.resume(eng, store, policy, "r", tokens, sampled, P)  # reading costs more than all: one block read
+    policy.observe_prefill(1, 1.0)  # a second a token prefilled; 4 s a token read: one block read beside the rest
+    bpt = sum(t.shape[0] * t.shape[2] * t.element_size() for t in kv.values())
+    policy.read_s_per_byte[True] = policy.read_s_per_byte[False] = 4.0 / bpt
+    r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
     last = (covered - 1) // BLOCK * BLOCK
     assert r.head_tokens == last and r.kv_tokens == covered - last
     got = _slot_kv(eng, "r", covered)
@@ -237,7 +238,7 @@ def test_the_split_point_follows_the_rates():
     p.observe_prefill(100, 1.0)  # 10 ms a token
     p.observe_read(1000, 1.0, cached=False)  # 1 ms a byte: 100 ms a token read cold
     p.observe_read(1000, 0.001, cached=True)  # 1 us a byte: 0.1 ms a token warm
-    assert p.start(64, 8, 100, False) == 56  # reading is 10x dearer: re-prefill all but the last block
+    assert p.start(64, 8, 100, False) == 64  # reading is 10x dearer: prefill all (0.64 s; the last block read: 0.8)
     assert p.start(64, 8, 100, True) == 0  # warm reading is 100x cheaper: read it all
     p.observe_read(1000, 0.1, cached=False)  # 0.1 ms a byte now: the average moves half way
     assert p.read_s_per_byte[False] == pytest.approx(0.5 * 1e-3 + 0.5 * 1e-4)
@@ -306,3 +307,40 @@ def test_a_slow_first_head_does_not_keep_later_resumes_from_splitting():
     assert choices[:2] == [0, 0] and choices[2] > 0  # the third whole read in a row is a split instead
     policy.observe_prefill(choices[2], 0.027)
     assert all(policy.start(n, 1024, bpt, False) > 0 for _ in range(5))
+
+
+def test_one_slow_head_among_several_does_not_tilt_the_prefill_line():
+    """Heads of 1-2k tokens that took 28-31 ms (a prefill's fixed part on an H100 host) and a first 4k head
+    that took 150 ms of one-time costs: the least-squares line through them has a negative fixed part (no line
+    at all), the line through two of them closest to all passes by the slow one."""
+    obs = [(4096, 0.150), (2048, 0.030), (2048, 0.031), (1024, 0.028)]
+    fixed, rate = restore.affine_fit(obs)
+    assert 0.024 <= fixed <= 0.027 and 1.5e-6 <= rate <= 3.5e-6
+    bpt, n = 12 * 1024, 8192
+    policy = restore.SplitPolicy()
+    for head, sec in obs:
+        policy.observe_prefill(head, sec)
+    policy.observe_read(n * bpt, 0.072, cached=False)
+    assert 0 < policy.start(n, 1024, bpt, False) < n  # the head prefilled beside the tail's read
+
+
+def test_a_snapshot_slower_to_read_than_to_recompute_is_left_unread(tiny_policy, tmp_path, blocks):
+    """Where reading even one block costs more than prefilling every token (a slow remote store), the tokens
+    are prefilled and the snapshot is not read: the resume continues exactly as a restore would."""
+    model, tok = tiny_policy
+    import os
+
+    store, tokens, sampled, kv, covered, want = _snapshotted(tiny_policy, tmp_path)
+    fd = os.open(store.path("r"), os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # not in the page cache, which reads whole
+    os.close(fd)
+    policy = restore.SplitPolicy()
+    policy.observe_prefill(8, 0.0100)  # 10 ms + ~0.1 ms a token
+    policy.observe_prefill(32, 0.0125)
+    policy.read_s_per_byte[False] = 1.0  # a second a byte
+    assert policy.start(covered, BLOCK, 100, False) == covered
+    eng = Engine(model, tok, seed=3, max_batch=2)
+    r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
+    assert (r.kv_tokens, r.head_tokens, r.rejected) == (0, 0, restore.RECOMPUTE) and r.prefilled >= covered
+    assert _run(eng, "r") == want
+    assert policy.prefills[-1][0] == r.prefilled  # the prefill of all of them is a head it learns from
