@@ -11,6 +11,8 @@ running the tool again.
 """
 from __future__ import annotations
 
+import hashlib
+import string
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,10 +36,20 @@ class ToolServiceError(RuntimeError):
     The trajectory resumes from the WAL, and asks again, once the service answers."""
 
 
+SANDBOX_ID_CHARS = frozenset(string.ascii_letters + string.digits + "._:-")  # the service's, after a leading "t"
+SANDBOX_ID_MAX = 128  # characters of a sandbox id the service accepts
+
+
 def sandbox_id_of(traj_id: str) -> str:
-    """The sandbox of a trajectory: one per episode, named after it (protocol-safe characters only)."""
-    safe = "".join(c if c.isalnum() or c in "._:-" else "-" for c in traj_id)
-    return ("t" + safe)[:128]
+    """The sandbox of a trajectory: one per episode, named after it. An id of protocol-safe characters that fits
+    is used as it is ("t" + id: the sandboxes of runs in flight keep their names); any other id is a safe prefix
+    and a hash of the whole id, so trajectories whose ids differ only in replaced characters or past the limit
+    never share a sandbox (and its recorded tool results)."""
+    safe = "t" + "".join(c if c in SANDBOX_ID_CHARS else "-" for c in traj_id)
+    if safe == "t" + traj_id and len(safe) <= SANDBOX_ID_MAX:
+        return safe
+    digest = hashlib.blake2b(traj_id.encode(), digest_size=8).hexdigest()
+    return f"{safe[:SANDBOX_ID_MAX - len(digest) - 1]}-{digest}"
 
 
 class ToolGateway:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Callable
 
 import google_crc32c
@@ -27,6 +29,10 @@ import torch
 from rollout.kvcache import SlotKV
 from rollout.lean_forward import LeanForward
 from rollout.sampling import SamplingParams, sample, traj_key, uniform
+
+
+class NonFiniteLogits(RuntimeError):
+    """The policy's logits for a row were NaN or infinite (bad weights or an overflow): nothing to sample."""
 
 
 @dataclass
@@ -53,6 +59,9 @@ class Seq:
     reason: str = ""
     n_sampled: int = 0
     last_step_draws: int = field(default=0, repr=False)
+
+
+_LOGPROB = attrgetter("logprob")
 
 
 def model_fingerprint(model: torch.nn.Module) -> str:
@@ -161,29 +170,32 @@ class Engine:
         once that prefill is under way (so a snapshot read in another thread overlaps it); it returns the KV
         or None (no KV after all: the rest is re-prefilled too). A KV that does not fit raises ValueError
         with nothing changed, so the caller can fall back to re-prefill; whatever fails once the request is
-        in (the callable, a prefill) takes it out again before the error goes on."""
+        in (the callable, a prefill) takes it out again before the error goes on. A trajectory its last draw
+        ended is admitted as done, with no KV and whatever its length (one that ended on the context holds
+        `max_len` tokens)."""
         if req_id in self.seqs:
             raise ValueError(f"request {req_id!r} already in the engine")
         if not tokens or len(tokens) != len(sampled):
             raise ValueError(f"request {req_id!r}: {len(tokens)} tokens, {len(sampled)} mask entries")
-        if len(tokens) >= self.max_len:
+        seq = Seq(req_id, traj_key(req_id), list(tokens), list(sampled), params, -1)
+        seq.n_sampled = sum(sampled)
+        seq.turn_start = max((i for i, s in enumerate(sampled) if not s), default=-1) + 1
+        if seq.n_sampled and sampled[-1]:
+            self._check_stop(seq)
+        complete = seq.state == "done"
+        if not complete and len(tokens) >= self.max_len:
             raise ValueError(f"request {req_id!r}: {len(tokens)} tokens do not fit max_len {self.max_len}")
         if kv_start and (kv is None or kv_start < 0 or kv_start >= len(tokens)):
             raise ValueError(f"request {req_id!r}: kv_start {kv_start} without a KV or past the tokens")
         if not self._free:
             raise RuntimeError("engine full: check capacity before add")
-        slot = min(self._free)
         deferred = callable(kv)
-        if kv is not None and not deferred:
+        if kv is not None and not deferred and not complete:
             length = self._checked(kv, kv_start, tokens, sampled)
-        self._free.remove(slot)
-        seq = Seq(req_id, traj_key(req_id), list(tokens), list(sampled), params, slot)
-        seq.n_sampled = sum(sampled)
-        seq.turn_start = max((i for i, s in enumerate(sampled) if not s), default=-1) + 1
+        seq.slot = min(self._free)
+        self._free.remove(seq.slot)
         self.seqs[req_id] = seq
-        if seq.n_sampled and sampled[-1]:
-            self._check_stop(seq)
-        if seq.state == "done":  # a complete trajectory needs no KV: it is only finished
+        if complete:  # it is only finished
             return 0
         try:
             loaded = 0
@@ -193,7 +205,7 @@ class Engine:
                 if tensors is not None:
                     if deferred:
                         length = self._checked(tensors, kv_start, tokens, sampled)
-                    self.kv.write(slot, tensors, kv_start, length)
+                    self.kv.write(seq.slot, tensors, kv_start, length)
                     loaded, seq.kv_len = length, kv_start + length
             self._replay(seq)
         except BaseException:  # a KV that does not fit, a read that failed, a prefill out of memory: not admitted
@@ -319,8 +331,19 @@ class Engine:
             draws = [d for d in draws if (s := self.seqs.get(d.req_id)) is not None and s.state == "run"]
             if not draws:
                 break
+            self._check_finite(draws)
             out.append((draws, self.accept(draws)))
         return out
+
+    def _check_finite(self, draws: list[Draw]) -> None:
+        """NonFiniteLogits unless every draw's log-prob is finite. A row's sampled log-prob is NaN or infinite
+        exactly when its logits are not finite (weights or activations that overflowed): such a draw is no
+        sample of the policy, and must never be accepted, committed or trained on."""
+        if all(map(math.isfinite, map(_LOGPROB, draws))):
+            return
+        d = next(d for d in draws if not math.isfinite(d.logprob))
+        raise NonFiniteLogits(f"trajectory {d.req_id!r}, position {d.position}: the logits of policy version "
+                              f"{self.version} are not finite (log-prob {d.logprob}); the step was not accepted")
 
     def accept(self, draws: list[Draw]) -> list[Seq]:
         """Append committed draws; returns the requests that stopped (paused at a stop string, or done)."""

@@ -17,6 +17,7 @@ or any `pyarrow.fs` URI through `dataplane.remote` (temp object then move; objec
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -473,12 +474,24 @@ class _Decoded:
         self._kv = {}
 
 
+NAME_BYTES = 200  # of a trajectory id's safe part in a file name: with its hash, suffix and a temp file's
+                  # ".NAME.tmp.PID" the name stays under the 255 bytes of a file name (ids within keep their names)
+TEMP_GRACE_S = 60.0  # a dead writer's temp file younger than this is left to its trajectory's delete (shared stores)
+
+
 class SnapshotStore:
-    """Snapshots by trajectory id under a directory or a `pyarrow.fs` URI (s3://, gs://, file://, …)."""
+    """Snapshots by trajectory id under a directory or a `pyarrow.fs` URI (s3://, gs://, file://, …).
+
+    A store that fails (a full disk, an object store that does not answer) raises OSError on a write or a
+    delete, and a read of it is an `unreadable` SnapshotRejected: the WAL holds every committed token, so the
+    caller counts the failure and re-prefills. A local store removes the temp files of writers killed mid-write
+    (`core.atomic` names them `.NAME.tmp.PID`): a dead process's older than `TEMP_GRACE_S` when the store is
+    opened, and a trajectory's own when it is deleted."""
 
     def __init__(self, uri: str | Path):
         uri = str(uri)
         self.uri = uri
+        self._orphans: dict[str, list[Path]] = {}  # file name -> temp files of dead writers, left at open
         if "://" in uri and not uri.startswith("file://"):
             from dataplane.remote import RemoteStore
 
@@ -486,10 +499,28 @@ class SnapshotStore:
         else:
             self._local = Path(uri.removeprefix("file://"))
             fileio.makedirs(self._local)
+            self._sweep_temps()
 
     def _name(self, traj_id: str) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in str(traj_id))
+        safe = safe.encode()[:NAME_BYTES].decode(errors="ignore")  # the hash below tells ids cut here apart
         return f"{safe}-{hashlib.blake2b(str(traj_id).encode(), digest_size=4).hexdigest()}.kv.safetensors"
+
+    def _sweep_temps(self) -> None:
+        """Remove the temp files of dead writers older than `TEMP_GRACE_S`; remember the younger ones for their
+        trajectory's delete. Another host's writer sharing the directory looks dead here: a live one touches its
+        file more often than that."""
+        now = time.time()
+        with os.scandir(self._local) as entries:
+            for entry in entries:
+                final, pid = _temp_of(entry.name)
+                if final is None or _alive(pid):
+                    continue
+                with contextlib.suppress(FileNotFoundError):  # another worker opening the store took it first
+                    if now - entry.stat().st_mtime > TEMP_GRACE_S:
+                        fileio.unlink(entry.path)
+                    else:
+                        self._orphans.setdefault(final, []).append(Path(entry.path))
 
     def path(self, traj_id: str) -> str:
         name = self._name(traj_id)
@@ -499,13 +530,23 @@ class SnapshotStore:
         if self._local:
             write_atomic(self._local / self._name(traj_id), data)
         else:
-            self._remote.put(self._name(traj_id), data)
+            self._remote_call("write", traj_id, self._remote.put, self._name(traj_id), data)
 
     def get(self, traj_id: str) -> bytes | None:
         if self._local:
             p = self._local / self._name(traj_id)
             return p.read_bytes() if p.is_file() else None
-        return self._remote.get(self._name(traj_id))
+        return self._remote_call("read", traj_id, self._remote.get, self._name(traj_id))
+
+    def _remote_call(self, what: str, traj_id: str, fn, *args):
+        """`fn(*args)` on the remote store, whatever it raises on failure (UserError, pyarrow's errors) as OSError."""
+        import pyarrow as pa
+
+        from core.errors import UserError
+        try:
+            return fn(*args)
+        except (UserError, OSError, pa.ArrowException) as exc:
+            raise OSError(errno.EIO, f"snapshot store {self.uri}: {what} of {traj_id} failed ({exc})") from None
 
     def load(self, traj_id: str, wal_tokens: list[int], policy_version: int, fingerprint: str, dtype: torch.dtype,
              device: torch.device | str = "cpu") -> tuple[SnapshotHeader, dict[str, torch.Tensor]]:
@@ -534,16 +575,41 @@ class SnapshotStore:
             raise SnapshotRejected("unreadable", f"fetch of {traj_id} failed ({exc})") from None
 
     def delete(self, traj_id: str) -> bool:
-        if self._local:
-            p = self._local / self._name(traj_id)
-            if p.is_file():
-                fileio.unlink(p)
-                return True
-            return False
-        return self._remote.delete(self._name(traj_id))
+        """Remove the snapshot of `traj_id` (and a local one's temp files of dead writers); False when there was
+        none; OSError when the store fails."""
+        if not self._local:
+            return self._remote_call("delete", traj_id, self._remote.delete, self._name(traj_id))
+        name = self._name(traj_id)
+        for tmp in self._orphans.pop(name, []):
+            with contextlib.suppress(FileNotFoundError):
+                fileio.unlink(tmp)
+        p = self._local / name
+        if p.is_file():
+            fileio.unlink(p)
+            return True
+        return False
 
     def ids_on_disk(self) -> list[str]:
         """File paths of every stored snapshot (a drill picks victims from these)."""
         if self._local:
             return sorted(str(p) for p in self._local.glob("*.kv.safetensors"))
         return [self._remote.path(k) for k in self._remote.list() if k.endswith(".kv.safetensors")]
+
+
+def _temp_of(name: str) -> tuple[str | None, int]:
+    """(snapshot file name, writer pid) of a `core.atomic` temp file name `.NAME.tmp.PID`; (None, 0) otherwise."""
+    final, sep, pid = name.removeprefix(".").rpartition(".tmp.")
+    if not (name.startswith(".") and sep and final.endswith(".kv.safetensors") and pid.isdigit()):
+        return None, 0
+    return final, int(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (this process counts as alive: its temp files are in use)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

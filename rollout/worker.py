@@ -125,24 +125,45 @@ class RolloutWorker:
         self._already_final: list[str] = []
         self._tool_waiting: list[str] = []  # paused on a call the sandbox service did not answer: asked again
         self._stopped = False
+        self._failed: BaseException | None = None  # what broke a run's decode or commit: the worker is done
 
     # -- pool interface ---------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> None:
-        for r in requests:
+        """Queue the requests not held yet. Each new one is checked first (ValueError naming it, nothing queued):
+        a prompt that encodes to no token or leaves no room for one would fail its whole admission batch."""
+        new = [r for r in requests if r.traj_id not in self.reqs]
+        for r in new:
+            self._check_prompt(r)
+        for r in new:
             if r.traj_id not in self.reqs:
                 self.reqs[r.traj_id] = r
                 self.queue.append(r)
+
+    def _check_prompt(self, req: Request) -> None:
+        n, limit = len(self.engine.tok.encode(req.prompt)), self.engine.max_len
+        if not 0 < n < limit:
+            raise ValueError(f"request {req.traj_id!r}: a prompt of {n} tokens; engine.max_len {limit} "
+                             f"admits 1 to {limit - 1}")
 
     def finalize(self, traj_ids: list[str]) -> None:
         """The pool holds these finished trajectories: drop their snapshots, and mark them finalized in the WAL
         on the commit thread while decoding goes on (durable before this call's `run` returns: its last wait
         covers it). A crash before that resumes them as complete, and the pool's put of them is idempotent."""
         for t in traj_ids:
-            self.store.delete(t)
+            self._drop_snapshot(t)
             self.reqs.pop(t, None)
             self.prompt_len.pop(t, None)
         if traj_ids:
             self.committer.call(lambda: self._finalize_log(list(traj_ids)))
+
+    def _drop_snapshot(self, traj: str) -> None:
+        """Delete the snapshot of a trajectory the pool holds; a store that fails leaves it (counted): it is
+        never read again, and its trajectory is safe in the data plane."""
+        try:
+            self.store.delete(traj)
+        except OSError as exc:
+            self.counters["snapshots_undeleted"] += 1
+            log.warning("snapshot of %r left in the store: %s", traj, exc)
 
     def _finalize_log(self, traj_ids: list[str]) -> None:
         self.wal.finalize_many(traj_ids)  # one commit for all of them
@@ -150,13 +171,22 @@ class RolloutWorker:
             self.wal.reclaim()                      # (a log service runs its own retention)
 
     def run(self, max_steps: int) -> WorkerReport:
-        """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished."""
+        """Admit queued requests and decode up to `max_steps` steps; report what became durable or finished.
+        An error while decoding or committing fails the worker (its engine may hold draws the WAL does not):
+        every later call raises it, and a replacement resumes from the WAL."""
         self._check_live()
-        eng, chunk = self.engine, self.spec.engine.decode_chunk
         if self._tool_waiting:  # their calls, again: answered now, or waiting for the next call of run
             waiting, self._tool_waiting = self._tool_waiting, []
-            self._on_stops([t for t in waiting if t in eng.seqs])
+            self._on_stops([t for t in waiting if t in self.engine.seqs])
         self._admit()
+        try:
+            return self._decode(max_steps)
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _decode(self, max_steps: int) -> WorkerReport:
+        eng, chunk = self.engine, self.spec.engine.decode_chunk
         pending = eng.launch(min(chunk, max_steps)) if max_steps > 0 else None
         step = 0
         while step < max_steps:
@@ -208,8 +238,8 @@ class RolloutWorker:
 
     def preempt(self) -> int:
         """Graceful stop: snapshot the KV of every in-flight request, release the WAL. Returns snapshots written."""
-        self._check_live()
         try:
+            self._check_live()
             return sum(self._snapshot(traj, seq) for traj, seq in list(self.engine.seqs.items()))
         finally:
             self.close()
@@ -220,27 +250,40 @@ class RolloutWorker:
         drawn token is committed. Returns the suspended trajectory ids."""
         self._check_live()
         out = []
-        for traj, seq in list(self.engine.seqs.items()):
-            self._snapshot(traj, seq)
-            self.engine.remove(traj)
-            out.append(traj)
-        self.queue.extendleft(self.reqs[t] for t in reversed(out))
-        self.counters["suspended"] += len(out)
+        try:
+            for traj, seq in list(self.engine.seqs.items()):
+                self._snapshot(traj, seq)
+                self.engine.remove(traj)
+                out.append(traj)
+        finally:  # whatever raised, the requests already out of the engine are queued again (in their order)
+            self.queue.extendleft(self.reqs[t] for t in reversed(out))
+            self.counters["suspended"] += len(out)
         return out
 
     def update_weights(self, state: dict, version: int) -> None:
         self.engine.load_weights(state, version)
 
     def close(self) -> None:
-        if not self._stopped:
-            self._stopped = True
-            self.committer.close()
-            self.wal.close()
-            if self.tools:
-                self.tools.close()
+        """Stop the commit thread, release the WAL, close the sandbox clients: each of them whatever the others
+        raise (a failed commit must not keep the WAL locked); the first error is raised after all."""
+        if self._stopped:
+            return
+        self._stopped = True
+        first = None
+        for part in (self.committer, self.wal, self.tools):
+            try:
+                if part is not None:
+                    part.close()
+            except BaseException as exc:
+                first = exc if first is None else first
+        if first is not None:
+            raise first
 
     # -- internals ------------------------------------------------------------------------------
     def _check_live(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"worker {self.spec.name} failed ({type(self._failed).__name__}: {self._failed}); "
+                               "start a replacement") from self._failed
         if self._stopped:
             raise RuntimeError(f"worker {self.spec.name} was preempted or closed; start a replacement")
 
@@ -255,13 +298,20 @@ class RolloutWorker:
         """Start queued requests while slots are free; the new prompts go into the WAL with one commit for
         all of them (before any of their draws can be committed: those commits come later)."""
         appended = False
-        while self.queue and self.engine.capacity:
-            batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.engine.capacity))]
-            held = self.wal.read_many([r.traj_id for r in batch])  # one round trip to a log service for the batch
-            for req in batch:
-                appended |= self._start(req, held[req.traj_id])
-        if appended:
-            self.wal.commit()
+        try:
+            while self.queue and self.engine.capacity:
+                batch = [self.queue.popleft() for _ in range(min(len(self.queue), self.engine.capacity))]
+                started = 0
+                try:
+                    held = self.wal.read_many([r.traj_id for r in batch])  # one round trip to a log service
+                    for req in batch:
+                        appended |= self._start(req, held[req.traj_id])
+                        started += 1
+                finally:  # an error admitting one request loses none of the batch: the rest are queued again
+                    self.queue.extendleft(r for r in reversed(batch[started:]) if r.traj_id not in self.engine.seqs)
+        finally:
+            if appended:
+                self.wal.commit()
 
     def _start(self, req: Request, held: wal_mod.Committed | None) -> bool:
         """Admit one request, given what the WAL holds of it (None: finalized); True when its prompt was

@@ -167,3 +167,40 @@ def test_a_worker_keeps_a_call_the_service_did_not_answer_and_asks_again(tmp_pat
         assert tok.decode(w.wal.tokens("calc-1")[len(p):]).startswith("<call>calc: 12*34</call><result>408</result>")
     finally:
         w.close()
+
+
+def test_sandbox_ids_are_safe_and_distinct_and_keep_the_names_of_safe_ids():
+    from rewards.sandbox.types import valid_sandbox_id
+
+    long = "grpo-calc-run-" + "a" * 120
+    ids = [long + "-p1", long + "-p2", "a/b", "a-b", "a b", "añb", "x" * 127, "x" * 128, "calc-37x41"]
+    sandboxes = [agent.sandbox_id_of(t) for t in ids]
+    assert len(set(sandboxes)) == len(ids) and all(valid_sandbox_id(s) for s in sandboxes)
+    assert agent.sandbox_id_of("calc-37x41") == "tcalc-37x41" and agent.sandbox_id_of("x" * 127) == "t" + "x" * 127
+
+
+def test_trajectories_whose_ids_differ_past_the_sandbox_id_limit_get_their_own_tool_results(
+        tmp_path, tiny_policy, service):
+    """Two trajectories whose ids share their first 128 characters, each paused on its own call: each gets its
+    own result (one sandbox each), not the other's recorded one or a refusal."""
+    model, tok = tiny_policy
+    log = wal.open(tmp_path / "wal")
+    eng = Engine(model, tok, max_batch=2, strict=True)
+    base = "grpo-calc-run-" + "a" * 120
+    plens = {}
+    for traj, (a, b) in [(base + "-p1", (37, 41)), (base + "-p2", (12, 34))]:
+        p, c = tok.encode(f"mul {a}*{b}="), tok.encode(f"<call>calc: {a}*{b}</call>")
+        log.append(traj, 0, p, [ENV_LOGPROB] * len(p), 0)
+        log.append(traj, len(p), c, [-1.0] * len(c), 0)
+        eng.add(traj, p + c, [False] * len(p) + [True] * len(c), PARAMS)
+        plens[traj] = len(p)
+    log.commit()
+    gateway = agent.ToolGateway(service.target, TOKEN, fan_out=1)
+    try:
+        out = {t: agent.answer_turns(eng, log, gateway, [(t, n)], max_calls=4)[t] for t, n in plens.items()}
+    finally:
+        gateway.close()
+        log.close()
+    assert all(o.continued and o.executed for o in out.values()), out
+    results = {t: tok.decode(eng.seqs[t].tokens[n:]).rsplit("<result>", 1)[-1] for t, n in plens.items()}
+    assert results == {base + "-p1": "1517</result>", base + "-p2": "408</result>"}
