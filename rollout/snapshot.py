@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from core import fileio
+from core.procs import pid_alive
 from core.atomic import write_atomic
 
 try:  # the checked read in C (rollout/_kvread.c), built by `pip install` where a compiler is
@@ -514,7 +515,7 @@ class SnapshotStore:
         with os.scandir(self._local) as entries:
             for entry in entries:
                 final, pid = _temp_of(entry.name)
-                if final is None or _alive(pid):
+                if final is None or pid_alive(pid):
                     continue
                 with contextlib.suppress(FileNotFoundError):  # another worker opening the store took it first
                     if now - entry.stat().st_mtime > TEMP_GRACE_S:
@@ -602,14 +603,3 @@ def _temp_of(name: str) -> tuple[str | None, int]:
     if not (name.startswith(".") and sep and final.endswith(".kv.safetensors") and pid.isdigit()):
         return None, 0
     return final, int(pid)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` exists on this host (this process counts as alive: its temp files are in use)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True

@@ -23,6 +23,8 @@ import re
 import time
 from pathlib import Path
 
+from core.procs import pid_alive
+
 PREFIX = "postrain-sandbox-"
 
 
@@ -100,13 +102,6 @@ def _current(path: Path) -> int:
         return 0
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
@@ -207,7 +202,7 @@ def _remove_stale(parent: Path) -> None:
         return
     for e in entries:
         pid = e.name[len(PREFIX):].split("-")[0]
-        if not pid.isdigit() or _pid_alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         for d in [*e.glob("slot-*"), e]:
             try:
