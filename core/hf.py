@@ -33,6 +33,34 @@ def resolve_checkpoint(path: str | Path) -> Path:
                     "`save_pretrained`) or a run directory holding one as final/")
 
 
+# Config settings that change the logits after hidden @ W.T, each with the value that changes nothing.
+LOGIT_TRANSFORMS = {"logit_scale": 1.0, "logits_scaling": 1.0, "lm_head_multiplier": 1.0,
+                    "final_logit_softcapping": None}
+
+
+def logit_transform(cfg: dict, head_bias: bool = False) -> str | None:
+    """The setting by which a model's logits are not hidden @ W.T (a scale, a softcap, a head bias),
+    or None. The learner and the OPD losses rebuild logits from hidden states as hidden @ W.T."""
+    for section in (cfg, cfg.get("text_config") or {}):
+        for key, neutral in LOGIT_TRANSFORMS.items():
+            if section.get(key, neutral) != neutral:
+                return f"{key} = {section[key]}"
+    return "a bias in its output head" if head_bias else None
+
+
+def check_plain_logits(cfg: dict, head_bias: bool, what: str) -> None:
+    """UserError naming `what` and the setting when its logits are not hidden @ W.T."""
+    found = logit_transform(cfg, head_bias)
+    if found:
+        raise UserError(f"{what}: its logits are not hidden states @ output head ({found}); the learner's fused "
+                        "head would compute wrong log-probs, so this model is not supported")
+
+
+def check_model_logits(model, what: str) -> None:
+    """`check_plain_logits` of a built model: its config and its output head's bias."""
+    check_plain_logits(model.config.to_dict(), getattr(model.get_output_embeddings(), "bias", None) is not None, what)
+
+
 def load_tokenizer(path: str | Path):
     """The tokenizer saved in checkpoint directory `path`.
 
@@ -66,6 +94,7 @@ def load_policy(path: str | Path, dtype=None):
     if any(bad.values()):
         raise UserError(f"checkpoint {path}: its weights do not fit its config.json "
                         + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in bad.items() if v))
+    check_model_logits(model, f"checkpoint {path}")
     return model, load_tokenizer(path)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from core import config as config_mod
+from core.errors import UserError
 
 SERVICES_DIR = "services"  # RUN_DIR/services/: state of services a run started for itself (a fresh run dir may hold it)
 
@@ -20,7 +21,10 @@ class RunDir:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.path / "metrics.jsonl"
-        self._t0 = time.monotonic()
+        self._drop_cut_tail()
+        # time_s counts the run's whole wall time: a resumed process goes on from the last row's
+        rows = self.read_metrics()
+        self._t0 = time.monotonic() - float(rows[-1].get("time_s", 0.0) if rows else 0.0)
 
     @property
     def checkpoints(self) -> Path:
@@ -40,9 +44,41 @@ class RunDir:
             f.write(json.dumps(row) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """Every row; a last line cut short (a kill or a full disk mid-append) is left out, a damaged line
+        before it is an error naming the file and line."""
         if not self.metrics_path.exists():
             return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        lines = self.metrics_path.read_text().split("\n")
+        rows = []
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except ValueError as exc:
+                if n == len(lines):  # no newline after it: the append was cut off
+                    continue
+                raise UserError(f"{self.metrics_path} line {n} is damaged ({exc}); delete that line or the file "
+                                "to go on") from None
+        return rows
+
+    def _drop_cut_tail(self) -> None:
+        """End the file on a newline, so the next row does not append to its last line: a cut-off last line
+        is removed, a whole one (only its newline lost) kept."""
+        if not self.metrics_path.is_file():
+            return
+        data = self.metrics_path.read_bytes()
+        if not data or data.endswith(b"\n"):
+            return
+        cut = data.rfind(b"\n") + 1
+        try:
+            json.loads(data[cut:])
+        except ValueError:
+            with open(self.metrics_path, "r+b") as f:
+                f.truncate(cut)
+            return
+        with open(self.metrics_path, "ab") as f:
+            f.write(b"\n")
 
     def plot(self, x: str, ys: list[str], name: str, title: str = "") -> Path | None:
         """One PNG with a panel per metric in `ys` against `x`; None when nothing was logged."""

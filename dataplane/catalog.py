@@ -99,8 +99,10 @@ def backend_for(url: str):
 
 def normalize_url(url: str | Path) -> str:
     url = str(url)
-    if "://" not in url:  # a bare path means an embedded SQLite file
-        return f"sqlite:///{Path(url).resolve()}"
+    if "://" not in url:  # a bare path means an embedded SQLite file; quoted, so '?' and '%' stay in the path
+        from sqlalchemy.engine import URL
+
+        return URL.create("sqlite", database=str(Path(url).resolve())).render_as_string(hide_password=False)
     return postgres.normalize_url(url) if url.startswith(("postgresql", "postgres")) else url
 
 
@@ -109,7 +111,9 @@ def _full_device(url: str) -> str:
     if not url.startswith("sqlite:///"):
         return ""
     try:
-        free = shutil.disk_usage(Path(url.removeprefix("sqlite:///")).parent).free
+        from sqlalchemy.engine import make_url
+
+        free = shutil.disk_usage(Path(make_url(url).database).parent).free
     except OSError:
         return ""
     return " (no space left on the device that holds it: free space, then open again)" if free < (64 << 10) else ""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import LargeBinary, cast, create_engine, event, func
+from sqlalchemy import LargeBinary, cast, create_engine, event, func, make_url
 from sqlalchemy.dialects.sqlite import insert as _insert
 
 from core import fileio
@@ -14,7 +14,7 @@ COLLATION = "BINARY"  # bytewise order, same as PostgreSQL's "C"
 
 
 def make_engine(url: str, namespace: str | None = None, busy_timeout_s: float = 60.0):
-    path = url.split("///", 1)[1] if "///" in url else ""
+    path = make_url(url).database or ""  # a quoted path ('?', '%XX') decoded as SQLAlchemy opens it
     if path and path != ":memory:":
         fileio.makedirs(Path(path).parent)  # durably; the database file itself is SQLite's to sync
     engine = create_engine(url, connect_args={"timeout": busy_timeout_s, "check_same_thread": False})

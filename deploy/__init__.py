@@ -9,4 +9,6 @@ cluster files. It composes every other package; nothing imports it.
     grpo_config.py  GRPOLoopConfig: learner, rollout and loop settings of `postrain grpo`
     grpo_loop.py  the GRPO loop: rollout pool -> verify -> data plane -> plan -> learner -> publish
     run_storage.py  a run directory as a pyarrow.fs URI: local staging, checkpoints and reports published, resume
+    run_lock.py   one process per run directory: a flock on DIR/.lock for the whole run
+    run_records.py  run records (pipeline.json, grpo_run.json, ...) read with one error when damaged; run identity
 """

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _one_line(exc: BaseException) -> str:
     from core.errors import UserError
 
+    exc = _unwrap_remote(exc)
     if isinstance(exc, UserError):
         return str(exc)
     if isinstance(exc, KeyError) and type(exc) is not KeyError:  # e.g. rewards.UnknownDomain
@@ -45,6 +46,15 @@ def _one_line(exc: BaseException) -> str:
     if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
         return f"{exc.strerror}: {exc.filename}"
     return f"{type(exc).__name__}: {exc} (rerun with --debug for the traceback)"
+
+
+def _unwrap_remote(exc: BaseException) -> BaseException:
+    """The error a Ray actor or task raised, out of the RayTaskError (a multi-line remote traceback with
+    terminal colours) that carries it; ray is imported only when already loaded."""
+    ray_exceptions = sys.modules.get("ray.exceptions")
+    while ray_exceptions is not None and isinstance(exc, ray_exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    return exc
 
 
 def main(argv: list[str] | None = None) -> int:

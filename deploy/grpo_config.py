@@ -53,7 +53,7 @@ class LoopConfig(Config):
     replay_max: int = Field(4, ge=1, le=1000, description="times one prompt may be replayed")
     replay_solved_below: float = Field(0.5, gt=0.0, le=1.0, description="a group whose solve rate is below this "
                                        "queues its prompt for replay (1.0 = any group not fully solved)")
-    seed: int = Field(0, ge=0, description="prompt draw seed (fresh prompts of iteration k are a pure function of it and k)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="prompt draw seed (fresh prompts of iteration k are a pure function of it and k)")
     keep_data: bool = Field(False, description="keep every batch's data-plane trajectories and shards, every "
                             "checkpoint and earlier starts' rollout WALs (`--keep-data`); false = retention below")
     keep_iterations: int = Field(2, ge=0, le=1_000_000, description="data-plane batches of the last K trained iterations "

@@ -47,6 +47,7 @@ from deploy.final_average import FinalAverage
 from deploy.mixture import domain_shares
 from core.rundir import RunDir
 from core.rundir import SERVICES_DIR
+from deploy.run_lock import lock_run_dir
 
 # Metrics that depend on wall time, machine load or the file system, not on the seeded computation.
 TIMING_KEYS = ("time_s", "rollout_s", "train_s", "eval_s", "step_time_s", "tokens_per_s", "iteration_s", "run_dir_mb")
@@ -97,7 +98,23 @@ def subset(sel, keep: np.ndarray):
     return dataclasses.replace(sel, **{name: getattr(sel, name)[keep] for name in per_traj})
 
 
+def check_engine_device(verb: str, device: str) -> None:
+    """engine.device = cuda[:N] needs that CUDA device here; checked at the start, since rollout actors that
+    cannot start are otherwise replaced up to pool.max_replacements times before the run fails. On a Ray
+    cluster (RAY_ADDRESS) the workers' nodes may hold GPUs the driver's lacks: left to them."""
+    import os
+
+    if not device.startswith("cuda") or os.environ.get("RAY_ADDRESS"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise UserError(f"{verb}: engine.device = {device!r} but this machine has "
+                        f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} CUDA device(s); "
+                        "set engine.device = \"cpu\" or run where the GPU is")
+
+
 def check_config(cfg: GRPOLoopConfig) -> None:
+    check_engine_device("grpo", cfg.engine.device)
     s = cfg.sampling
     if s.temperature <= 0:
         raise UserError("grpo: sampling.temperature must be > 0 (GRPO needs sampled groups and their log-probs)")
@@ -161,7 +178,12 @@ class GRPOLoop:
         self.chaos_seed, self.quiet, self.stop_after = chaos_seed, quiet, stop_after
         self.t_start = time.monotonic()  # loop.time_budget_s counts from here
         self.out = Path(out)
-        self._prepare_out(resume)
+        self._lock = lock_run_dir(self.out)  # held until the run ends (run_loop) or this object goes
+        try:
+            self._prepare_out(resume)
+        except BaseException:
+            self._lock.close()
+            raise
         self.run = RunDir(self.out)
         self.run.save_config(cfg)
         self.catalog = cfg.loop.catalog or str(self.out / "dataplane" / "catalog.db")
@@ -179,20 +201,29 @@ class GRPOLoop:
         self._replayed: dict[int, dict] = {}  # iteration -> its replay metrics (replayed prompts, queue left)
 
     def _prepare_out(self, resume: bool) -> None:
-        meta = {"domain": self.domain, "init": str(self.init)}
+        """A fresh run (OUT empty but for its lock) records its identity (deploy/run_records.py) in
+        grpo_run.json; a resumed one must match it."""
+        from deploy.run_lock import NAME as LOCK_NAME
+        from deploy.run_records import check_resume, identity, identity_config, read_record
+        from distill.teachers import weights_fingerprint
+
         meta_path = self.out / "grpo_run.json"
+        fresh = all(p.name in (SERVICES_DIR, LOCK_NAME) for p in self.out.iterdir())  # OUT exists: it is locked
+        config = identity_config(self.cfg)
+        settings = identity(domain=self.domain, config=config, init=weights_fingerprint(self.init))
         if resume:
             if not meta_path.is_file():
                 raise UserError(f"grpo: --resume but {self.out} holds no GRPO run (grpo_run.json missing)")
-            old = json.loads(meta_path.read_text())
+            old = read_record(meta_path, {"domain": str}, "start the run afresh in another --out")
             if old["domain"] != self.domain:
                 raise UserError(f"grpo: {self.out} trains domain {old['domain']!r}, not {self.domain!r}")
+            check_resume("grpo", meta_path, old.get("settings"), settings, config)
             return
-        if self.out.exists() and any(p.name != SERVICES_DIR for p in self.out.iterdir()):
+        if not fresh:
             raise UserError(f"grpo: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
-        self.out.mkdir(parents=True, exist_ok=True)
         from core.atomic import write_atomic
 
+        meta = {"domain": self.domain, "init": str(self.init), "settings": settings}
         write_atomic(meta_path, json.dumps(meta, indent=2).encode())
 
     # -- the run ---------------------------------------------------------------------------------------
@@ -247,6 +278,7 @@ class GRPOLoop:
                 self.group.close()
             self.sink.close()
             self.dp.close()
+            self._lock.close()
 
     def _iterate(self, start: int) -> dict:
         from core.hf import save_policy

@@ -6,19 +6,28 @@ import time
 from pathlib import Path
 
 import rewards
+from core.errors import UserError
 from deploy.job_config import JobConfig
 from core.progress import progress
 from core.rundir import RunDir
 
 
-def run_sft(cfg: JobConfig, out: str | Path, init: str | None = None, quiet: bool = False) -> Path:
-    """SFT into run dir `out`; the policy is saved to OUT/final/ and returned."""
+SFT_FILES = ("config.json", "metrics.jsonl", "final")  # what an SFT run leaves in its run directory
+
+
+def run_sft(cfg: JobConfig, out: str | Path, init: str | None = None, quiet: bool = False, fresh: bool = True) -> Path:
+    """SFT into run dir `out`; the policy is saved to OUT/final/ and returned. With `fresh`, an `out` that
+    already holds an SFT run is refused (its metrics would be mixed with this run's)."""
     from learner.policy import build_policy
     from core.hf import count_params, load_policy, save_policy
     from learner.sft import train_sft
 
     for name in cfg.sft.domains:
         rewards.domain(name)
+    held = [name for name in SFT_FILES if (Path(out) / name).exists()] if fresh else []
+    if held:
+        raise UserError(f"sft: output directory {out} already holds a run ({', '.join(held)}); pick a fresh --out "
+                        "or delete it")
     run = RunDir(out)
     run.save_config(cfg)
     model, tok = load_policy(init) if init else build_policy(cfg.policy)
@@ -47,11 +56,10 @@ def run_eval(cfg: JobConfig, checkpoint: Path, run: RunDir, quiet: bool = False)
 
 
 def run_job(cfg: JobConfig, out: Path, quiet: bool = False) -> dict:
+    (Path(out) / "metrics.jsonl").unlink(missing_ok=True)  # a rerun of the same name starts a fresh curve
     run = RunDir(out)
-    if run.metrics_path.exists():
-        run.metrics_path.unlink()  # a rerun of the same name starts a fresh curve
     t0 = time.monotonic()
-    final = run_sft(cfg, out, quiet=quiet)
+    final = run_sft(cfg, out, quiet=quiet, fresh=False)  # a rerun of the same name replaces it
     sft_s = time.monotonic() - t0
     results = run_eval(cfg, final, run, quiet=quiet)
     summary = {

@@ -56,7 +56,7 @@ class OPDLoop(Config):
     chaos_faults: int = Field(2, ge=0, le=1000, description="faults injected into each iteration's rollouts under --chaos")
     keep_iterations: int = Field(2, ge=0, le=1_000_000, description="iterations whose rollouts and cache rows stay in "
                                  "the data plane once a checkpoint covers them; older ones are reclaimed; 0 = keep all")
-    seed: int = Field(0, ge=0, description="prompt draw seed")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="prompt draw seed (multiplied with the iteration: 32 bits)")
     catalog: str = Field("", description="data-plane catalog; empty = OUT/dataplane/catalog.db")
     store: str = Field("", description="data-plane shard store; empty = OUT/dataplane/store")
 

@@ -31,7 +31,6 @@ are prefill and training: a resumed or chaos run repeats the calm run's metrics.
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +46,10 @@ from core.rundir import SERVICES_DIR
 from dataplane.remote import is_uri
 from deploy.rollout_row import rollout_row
 from deploy.final_average import FinalAverage
-from deploy.grpo_loop import _IterationSink, batch_name
+from deploy.grpo_loop import _IterationSink, batch_name, check_engine_device
 from deploy.mixture import domain_kl, domain_shares, kl_weights
 from deploy.opd_config import OPDLoopConfig
+from deploy.run_lock import lock_run_dir
 from deploy.run_storage import local_checkpoint
 from distill.cache import CacheMismatch, CacheRecord, cache_run, check
 from distill.teachers import Teacher, resolve_teachers, table_entries
@@ -78,6 +78,7 @@ def make_requests(cfg: OPDLoopConfig, domains: list[str], iteration: int,
 
 
 def check_config(cfg: OPDLoopConfig) -> None:
+    check_engine_device("opd", cfg.engine.device)
     s = cfg.sampling
     if s.temperature <= 0:
         raise UserError("opd: sampling.temperature must be > 0 (the student samples its own trajectories)")
@@ -121,32 +122,46 @@ class OPDLoop:
         domain_shares(cfg.loop.prompts_per_iteration, self.domains, cfg.loop.domain_weights)  # checks the weights
         kl_weights(self.domains, {}, cfg.loop.mixture_floor if cfg.loop.mixture == "kl" else 0.0)  # checks the floor
         self.out = Path(out)
-        self.run_id = self._prepare_out(resume)
+        self._lock = lock_run_dir(self.out)  # held until the run ends (run_loop) or this object goes
+        try:
+            self.run_id = self._prepare_out(resume)
+        except BaseException:
+            self._lock.close()
+            raise
         self.run = RunDir(self.out)
         self.run.save_config(cfg)
         self.catalog = cfg.loop.catalog or str(self.out / "dataplane" / "catalog.db")
         self.store = cfg.loop.store or str(self.out / "dataplane" / "store")
 
     def _prepare_out(self, resume: bool) -> str:
+        """A fresh run (OUT empty but for its lock) records its teachers and identity (deploy/run_records.py)
+        in opd_run.json; a resumed one must match both."""
+        from deploy.run_lock import NAME as LOCK_NAME
+        from deploy.run_records import check_resume, identity, identity_config, read_record
+        from distill.teachers import weights_fingerprint
+
         meta_path = self.out / "opd_run.json"
         teachers = [{k: t.to_json()[k] for k in ("name", "domain", "weight", "fingerprint")} | {"path": self.sources[t.name]}
                     for t in self.teachers]
+        fresh = all(p.name in (SERVICES_DIR, LOCK_NAME) for p in self.out.iterdir())  # OUT exists: it is locked
+        config = identity_config(self.cfg)
+        settings = identity(config=config, student=weights_fingerprint(self.student), domains=self.domains)
         if resume:
             if not meta_path.is_file():
                 raise UserError(f"opd: --resume but {self.out} holds no OPD run (opd_run.json missing)")
-            old = json.loads(meta_path.read_text())
+            old = read_record(meta_path, {"run_id": str, "teachers": list}, "start the run afresh in another --out")
             if old["teachers"] != teachers:
-                raise UserError(f"opd: {self.out} was trained with other teachers ({[t['name'] + ' ' + t['path'] for t in old['teachers']]}); "
+                raise UserError(f"opd: {self.out} was trained with other teachers ({[t.get('name', '?') + ' ' + str(t.get('path')) for t in old['teachers'] if isinstance(t, dict)]}); "
                                 "--resume needs the same teacher set (paths, weights and weights fingerprints)")
+            check_resume("opd", meta_path, old.get("settings"), settings, config)
             return old["run_id"]
-        if self.out.exists() and any(p.name != SERVICES_DIR for p in self.out.iterdir()):
+        if not fresh:
             raise UserError(f"opd: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
-        self.out.mkdir(parents=True, exist_ok=True)
         from core.atomic import write_atomic
 
         run_id = uuid.uuid4().hex
         write_atomic(meta_path, json.dumps({"run_id": run_id, "student": self.student_source, "domains": self.domains,
-                                            "teachers": teachers}, indent=2).encode())
+                                            "teachers": teachers, "settings": settings}, indent=2).encode())
         return run_id
 
     # -- the run ---------------------------------------------------------------------------------------
@@ -203,6 +218,7 @@ class OPDLoop:
                 self.group.close()
             self.sink.close()
             self.dp.close()
+            self._lock.close()
 
     def _iterate(self, start: int) -> dict:
         from core.hf import save_policy
@@ -416,12 +432,11 @@ class OPDLoop:
         return hashes
 
     def _train(self, k: int, sampled: list) -> dict:
+        from distill.opd_learner import plan_iteration
+
         cfg = self.cfg
         sel = self.dp.select(run=cache_run(batch_name(k)))
-        longest = int(sel.length.max())
-        ranks = cfg.learner.ranks
-        budget = max(longest, math.ceil(sel.num_tokens / (ranks * cfg.loop.minibatches)))
-        plan = self.dp.plan(sel, tokens_per_rank=budget, ranks=ranks, seed=cfg.loop.seed, epoch=k, by_teacher=True)
+        plan = plan_iteration(self.dp, sel, cfg.learner.ranks, cfg.loop.minibatches, seed=cfg.loop.seed, epoch=k)
         hashes = self._check_cache(plan, sampled)
         steps = [self.group.learner_call("plan_step", plan, m, hashes) for m in range(plan.num_minibatches)]
         out = {key: float(np.mean([s[key] for s in steps])) for key in ("loss", "kl", "grad_norm", "step_time_s")}

@@ -27,6 +27,8 @@ from core.atomic import write_atomic
 from core.digest import sha256_tree
 from core.errors import UserError
 from deploy import manifest
+from deploy.run_lock import NAME as LOCK_NAME, lock_run_dir
+from deploy.run_records import read_record
 from deploy.pipeline_config import STAGES, PipelineConfig
 from deploy.shared_ray import shared_ray
 from distill.teachers import table_entries
@@ -128,19 +130,38 @@ class Pipeline:
 
     def _claim(self, force: bool) -> None:
         """runs/NAME belongs to one pipeline config; another one needs --force (then stages whose own
-        settings did not change are kept)."""
+        settings did not change are kept). One pipeline at a time: the run directory is locked until exit."""
         meta_path = self.run_dir / "pipeline.json"
         digest = manifest.settings_hash(self.cfg.model_dump(mode="json"))
+        fresh = not self.run_dir.exists() or all(p.name == LOCK_NAME for p in self.run_dir.iterdir())
+        self._lock = lock_run_dir(self.run_dir)  # held as long as this object (the run)
+        try:
+            self._check_owner(meta_path, digest, fresh, force)
+        except BaseException:
+            self._lock.close()
+            raise
+        write_atomic(meta_path, json.dumps({"config_hash": digest, "quick": self.quick,
+                                            "config": self.cfg.model_dump(mode="json")}, indent=2).encode())
+
+    def _check_owner(self, meta_path: Path, digest: str, fresh: bool, force: bool) -> None:
+        """The run directory is fresh, or this config's pipeline run (another config's with --force)."""
         if meta_path.is_file():
-            old = json.loads(meta_path.read_text())
+            old = self._read_meta(meta_path, force)
             if old.get("config_hash") != digest and not force:
                 raise UserError(f"pipeline: {self.run_dir} was made by another pipeline config; pass --force to "
                                 "rerun the stages whose settings changed (and those after), or pick another --name")
-        elif self.run_dir.exists() and any(self.run_dir.iterdir()):
+        elif not fresh:
             raise UserError(f"pipeline: {self.run_dir} exists and is not a pipeline run; pick another --name")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(meta_path, json.dumps({"config_hash": digest, "quick": self.quick,
-                                            "config": self.cfg.model_dump(mode="json")}, indent=2).encode())
+
+    @staticmethod
+    def _read_meta(path: Path, force: bool) -> dict:
+        """pipeline.json; a damaged one is an error, or with --force replaced (as another config's would be)."""
+        try:
+            return read_record(path, {"config_hash": str}, "pass --force to replace it")
+        except UserError:
+            if force:
+                return {}
+            raise
 
     # -- the run --------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -162,11 +183,14 @@ class Pipeline:
             if reason is None:
                 self._say(f"{stage}: done earlier, kept")
                 continue
-            if manifest.read(d) is not None or reason.startswith("output"):
+            if reason == "not finished":  # interrupted: resumable only under the settings it started with
+                reason = manifest.started_reason(d, settings, inputs) or reason
+            if manifest.read(d) is not None or reason != "not finished":
                 self._say(f"{stage}: runs again: {reason}")
             (d / manifest.NAME).unlink(missing_ok=True)
             if reason != "not finished" and d.exists():
                 shutil.rmtree(d)  # made from other settings or inputs: nothing in it may be resumed
+            manifest.start(d, settings, inputs)
             s0 = time.monotonic()
             outputs, extra = getattr(self, f"_stage_{stage}")(d)
             manifest.write(d, settings=settings, inputs=inputs, outputs=outputs, wall_s=time.monotonic() - s0,
@@ -180,12 +204,13 @@ class Pipeline:
 
     def _settings(self, stage: str) -> str:
         c = self.cfg
-        common = {"domains": c.pipeline.domains, "chaos": self.chaos}
-        by = {"sft": {"job": self.sft_cfg.model_dump(mode="json")},
-              "specialists": {"stage": c.specialists.model_dump(mode="json"),
+        common = {"domains": c.pipeline.domains}
+        by = {"sft": {"job": self.sft_cfg.model_dump(mode="json")},  # SFT injects no faults: chaos is not its setting
+              "specialists": {"stage": c.specialists.model_dump(mode="json"), "chaos": self.chaos,
                               "grpo": {d: g.model_dump(mode="json") for d, g in self.grpo_cfgs.items()},
                               "eval": c.evaluate.model_dump(mode="json")},
-              "merge": {"stage": c.merge.model_dump(mode="json"), "opd": self.opd_cfg.model_dump(mode="json")},
+              "merge": {"stage": c.merge.model_dump(mode="json"), "opd": self.opd_cfg.model_dump(mode="json"),
+                        "chaos": self.chaos},
               "evaluate": {"stage": c.evaluate.model_dump(mode="json")}}
         return manifest.settings_hash({**common, **by[stage]})
 
@@ -254,8 +279,7 @@ class Pipeline:
 
     # -- stages ------------------------------------------------------------------------------------------------
     def _stage_sft(self, d: Path):
-        if d.exists():
-            shutil.rmtree(d)  # no checkpoints inside SFT: an interrupted one starts over
+        manifest.clear(d)  # no checkpoints inside SFT: an interrupted one starts over
         c = self.cfg.sft
         self._postrain("sft", ["sft", "--out", str(d), "--config", str(self._file(c.config, "sft")), "--quiet",
                                *(a for kv in self._sets("sft") for a in ("--set", kv))], d / "log.txt", c.budget_s, d / "metrics.jsonl")
@@ -282,7 +306,7 @@ class Pipeline:
                 self._say(f"specialists: {dom}: the base is at {base_eval[dom]:.3f} >= {c.skip_at}; it is its own teacher")
         stage_s = c.budget_s + self._carry_s("specialists")
         budgets = c.budgets_s(train, stage_s)
-        todo = [dom for dom in train if not self._specialist_done(d / dom)]
+        todo = [dom for dom in train if not self._specialist_done(d / dom, self._settings("specialists"))]
         running: list[tuple[str, subprocess.Popen]] = []
         for i, dom in enumerate(todo):
             while len(running) >= c.parallel:
@@ -295,13 +319,17 @@ class Pipeline:
         outputs = {dom: (d / dom / "final" if dom in train else base) for dom in self.cfg.pipeline.domains}
         return outputs, {"base_eval": base_eval, "trained": train}
 
-    def _specialist_done(self, out: Path) -> bool:
+    @staticmethod
+    def _specialist_done(out: Path, settings: str) -> bool:
+        """A specialist finished under the stage's current settings (a marker from before they were recorded
+        in it counts as theirs) whose final/ is intact."""
         marker = out / "done.json"
         if not marker.is_file():
             return False
         try:
-            return json.loads(marker.read_text())["final_sha256"] == sha256_tree(out / "final")
-        except (ValueError, KeyError, OSError):
+            doc = json.loads(marker.read_text())
+            return doc.get("settings_hash", settings) == settings and doc["final_sha256"] == sha256_tree(out / "final")
+        except (ValueError, KeyError, OSError, AttributeError):
             return False
 
     def _start_specialist(self, out: Path, dom: str, base: Path, budget_s: float, index: int):
@@ -377,8 +405,8 @@ class Pipeline:
                 tail = proc.log.read_text(errors="replace").strip().splitlines()[-3:]
                 raise UserError(f"pipeline stage specialists: GRPO on {dom} failed (exit {code}); log {proc.log}: "
                                 f"{' | '.join(tail)}")
-            write_atomic(proc.out / "done.json",
-                         json.dumps({"final_sha256": sha256_tree(proc.out / "final")}).encode())
+            write_atomic(proc.out / "done.json", json.dumps({"final_sha256": sha256_tree(proc.out / "final"),
+                                                             "settings_hash": self._settings("specialists")}).encode())
             self._say(f"specialists: {dom}: done")
         if len(still) == len(running):
             time.sleep(0.5)
@@ -399,8 +427,8 @@ class Pipeline:
         if done.is_file() and (out / "final").is_dir():
             return {"merged": out / "final"}, {"teachers": {k: str(v) for k, v in teachers.items()}}
         resume = (out / "opd_run.json").is_file()
-        if not resume and d.exists():
-            shutil.rmtree(d)
+        if not resume:
+            manifest.clear(d)
         args = ["opd", "--student", str(student), "--out", str(out), "--iterations", str(c.iterations),
                 "--config", str(self._file(c.config, "merge")), "--quiet", *self._chaos(100),
                 *(f"--teacher={dom}={p}" for dom, p in teachers.items()),

@@ -20,7 +20,7 @@ class PipelineTable(Config):
     carry_over: bool = Field(True, description="a stage that ends under its budget hands the rest on (SFT and the "
                              "specialists to the next training stage, a specialist to the ones after it), and one that "
                              "overruns takes its excess from there, so the whole keeps to the stages' sum")
-    seed: int = Field(0, ge=0, description="seed of every stage (SFT data and init, prompt draws, sampling, learner); "
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of every stage (SFT data and init, prompt draws, sampling, learner); "
                                            "0 = each stage config's own seeds")
 
 
@@ -66,7 +66,7 @@ class MergeStage(Config):
 
 class EvaluateStage(Config):
     n: int = Field(256, ge=1, le=1_000_000, description="eval prompts per domain (greedy pass@1)")
-    seed: int = Field(1234, ge=0, description="eval prompt seed")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="eval prompt seed")
     max_new_tokens: int = Field(48, ge=1, le=65536, description="generation budget per turn")
     budget_s: float = Field(120.0, gt=0, le=1e7, description="expected wall time of the evaluation")
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from core.atomic import write_atomic
 from deploy import manifest
 from deploy.pipeline_config import STAGES
+from deploy.run_records import read_record
 
 
 def _rows(path: Path) -> list[dict]:
@@ -31,7 +32,8 @@ def _rows(path: Path) -> list[dict]:
 
 def collect(run_dir: Path) -> dict:
     run_dir = Path(run_dir)
-    meta = json.loads((run_dir / "pipeline.json").read_text()) if (run_dir / "pipeline.json").is_file() else {}
+    meta = (read_record(run_dir / "pipeline.json", {"config": dict}, "rerun the pipeline with --force")
+            if (run_dir / "pipeline.json").is_file() else {})
     cfg = meta.get("config", {})
     domains = cfg.get("pipeline", {}).get("domains", [])
     stages = {}
@@ -42,7 +44,8 @@ def collect(run_dir: Path) -> dict:
     spec = manifest.read(run_dir / "specialists") or {}
     trained = spec.get("trained", [])
     results_path = run_dir / "evaluate" / "results.json"
-    table = json.loads(results_path.read_text())["pass_at_1"] if results_path.is_file() else {}
+    table = (read_record(results_path, {"pass_at_1": dict}, "rerun the pipeline (its evaluate stage runs again)")
+             ["pass_at_1"] if results_path.is_file() else {})
     if not table and spec.get("base_eval"):
         table = {"base": spec["base_eval"]}
     teacher_of = {d: (f"specialist:{d}" if d in trained else "base") for d in domains}

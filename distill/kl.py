@@ -5,7 +5,8 @@
 with c_i = mask_i / max(1, sum(mask))   when `weights` is None (mean over unmasked tokens),
      c_i = weights_i * mask_i            when `weights` is given (weighted sum, no normalisation).
 Gradients flow to h_s and W_s only; the teacher (h_t, W_t) and the weights get none. The loss is a
-float32 scalar; the gradients come back in the student's dtypes. No T**2 factor is applied.
+float32 scalar; the gradients come back in the student's dtypes. No T**2 factor is applied. A token
+with c_i = 0 adds nothing, even where its hidden states are not finite.
 
 The backend computes the loss and both gradients in one sweep during the forward (the logits are
 rebuilt from hidden states chunk by chunk, never held for the whole batch); backward only scales
@@ -70,16 +71,20 @@ def _pick_backend(device: torch.device, backend: str | None) -> str:
 
 def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, backend, chunk_tokens=None,
                  triton_config=None):
-    """Dispatch to a backend: (kl_N float32, grad_h_s | None, grad_W_s | None) of sum_i coef_i KL_i."""
+    """Dispatch to a backend: (kl_N float32, grad_h_s | None, grad_W_s | None) of sum_i coef_i KL_i;
+    fp16 inputs get float32 gradients (the caller casts them after the upstream gradient)."""
     if h_s.shape[0] == 0:  # no tokens: zero loss, zero gradients
         kl_N = torch.zeros(0, dtype=torch.float32, device=h_s.device)
         return (kl_N, torch.zeros_like(h_s), torch.zeros_like(W_s)) if need_grad else (kl_N, None, None)
+    # fp16 gradients rounded before a loss scale (GradScaler's 2**16) is applied would lose the small ones
+    grads_f32 = h_s.dtype == torch.float16
     if backend == "triton":
         from distill import kl_triton
 
         return kl_triton.kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad,
-                                      chunk_tokens=chunk_tokens, config=triton_config)
-    return kl_chunked.kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, chunk_tokens=chunk_tokens)
+                                      chunk_tokens=chunk_tokens, config=triton_config, grads_f32=grads_f32)
+    return kl_chunked.kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature, need_grad, chunk_tokens=chunk_tokens,
+                                   grads_f32=grads_f32)
 
 
 class _ReverseKL(torch.autograd.Function):
@@ -91,7 +96,8 @@ class _ReverseKL(torch.autograd.Function):
         # Plain attributes, not save_for_backward: the gradients are scaled in place and handed over
         # without a copy (a [V, H] copy would raise peak memory by the size of the head).
         ctx.grads = (dh, dW)
-        return (coef_N * kl_N).sum()
+        ctx.dtypes = (h_s.dtype, W_s.dtype)
+        return torch.where(coef_N != 0, coef_N * kl_N, 0.0).sum()  # a NaN outside the loss stays out
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -103,8 +109,8 @@ class _ReverseKL(torch.autograd.Function):
         # host sync on a scalar; the forward's kernels are already queued).
         g = grad_loss.float()
         unit = bool(g == 1.0)
-        gh = (dh if unit else dh.mul_(g)) if ctx.needs_input_grad[0] and dh is not None else None
-        gW = (dW if unit else dW.mul_(g)) if ctx.needs_input_grad[1] and dW is not None else None
+        gh = (dh if unit else dh.mul_(g)).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] and dh is not None else None
+        gW = (dW if unit else dW.mul_(g)).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] and dW is not None else None
         return gh, gW, None, None, None, None, None, None, None
 
 

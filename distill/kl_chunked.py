@@ -38,10 +38,11 @@ def _logits_f32(h_CH: torch.Tensor, W_VH: torch.Tensor, chunk_vocab: int) -> tor
 
 
 def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool, *,
-                 chunk_tokens: int | None = None, chunk_vocab: int = CHUNK_VOCAB_DEFAULT):
+                 chunk_tokens: int | None = None, chunk_vocab: int = CHUNK_VOCAB_DEFAULT, grads_f32: bool = False):
     """Per-token KL [N] float32 and, if `need_grad`, the gradients of sum_i coef_i * KL_i.
 
-    Returns (kl_N, grad_h_s or None, grad_W_s or None); gradients in the student's dtypes.
+    Returns (kl_N, grad_h_s or None, grad_W_s or None); gradients in the student's dtypes (`grads_f32`
+    and fp16 inputs: float32, for a caller that scales them before the cast).
     Tokens are processed in fixed-size chunks (the last one zero-padded), so every GEMM has the same
     shape and a token's result does not depend on the other tokens of the batch.
     """
@@ -75,10 +76,13 @@ def kl_and_grads(h_s, W_s, h_t, W_t, coef_N, temperature: float, need_grad: bool
         coef_C = torch.zeros(C, dtype=torch.float32, device=dev)
         coef_C[:n] = coef_N[t0:t1].float() * inv_T
         dl_CV = p_CV.mul_(d_CV.sub_(mean_d[:, None])).mul_(coef_C[:, None])
+        dl_CV.masked_fill_((coef_C == 0)[:, None], 0.0)  # a row outside the loss adds nothing, even a NaN one
         for v0 in range(0, V, chunk_vocab):
             v1 = min(V, v0 + chunk_vocab)
             dh_NH[t0:t1] += (dl_CV[:, v0:v1] @ W_s[v0:v1].float())[:n]
             dW_VH[v0:v1] += dl_CV[:, v0:v1].T @ hs_CH
     if not need_grad:
         return kl_N, None, None
+    if grads_f32 and h_s.dtype == torch.float16:
+        return kl_N, dh_NH, dW_VH
     return kl_N, dh_NH.to(h_s.dtype), dW_VH.to(W_s.dtype)

@@ -4,6 +4,11 @@
 (a position scored by several teachers of its domain counts once: each row adds its positions times
 w_i / sum of its domain's weights).
 
+A trajectory's rows (one per teacher of its domain) share an optimizer step (`plan_iteration` plans
+them so, `rows_apart` refuses a plan that does not): a step holding one teacher's rows of a domain
+without the others' would count their positions at that teacher's share alone, and the teacher's
+weight would cancel out of the step.
+
 A step over this rank's share of minibatch m: its segments, grouped by teacher (the plan orders them
 so), are loaded teacher by teacher with the cached teacher hidden states, the next group read in the
 background (and made ready for the device: `opd_batches.prepare`) while the current one trains. For
@@ -20,6 +25,7 @@ Runs in one process or as a `LearnerWorker` rank (`learner_call("plan_step", ...
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import math
@@ -55,6 +61,29 @@ def teacher_groups(plan, minibatch: int, rank: int) -> list[tuple[str, object]]:
             plan, ranks=1, seg_traj=traj[keep], seg_start=start[keep], seg_stop=stop[keep],
             bin_offsets=np.array([0, int(keep.sum())], dtype=np.int64), balanced=np.array([True]))))
     return out
+
+
+def plan_iteration(dp, sel, ranks: int, minibatches: int, seed: int = 0, epoch: int = 0):
+    """One iteration's cache rows `sel` in about `minibatches` optimizer steps of `ranks` ranks: a
+    trajectory's rows (its group) share a minibatch, groups ordered by teacher. The per-rank budget
+    holds the largest group, so no group is cut across minibatches and no row is split."""
+    if not len(sel.length):
+        raise ValueError("plan_iteration: no cache rows to plan")
+    biggest = int(np.bincount(sel.group, weights=sel.length).max())
+    budget = max(biggest, math.ceil(sel.num_tokens / (ranks * minibatches)))
+    return dp.plan(sel, tokens_per_rank=budget, ranks=ranks, seed=seed, epoch=epoch, group_aware=True, by_teacher=True)
+
+
+def rows_apart(plan, names: set[str]) -> list[str]:
+    """Ids of cache rows of teachers `names` whose trajectory (group) has rows in another minibatch."""
+    per_bin = np.diff(plan.bin_offsets).reshape(plan.num_minibatches, plan.ranks).sum(axis=1)
+    minibatch = np.repeat(np.arange(plan.num_minibatches), per_bin)
+    codes = [i for i, name in enumerate(plan.teachers) if name in names]
+    keep = np.isin(plan.teacher[plan.seg_traj], codes)
+    group, minibatch, traj = plan.group[plan.seg_traj][keep], minibatch[keep], plan.seg_traj[keep]
+    pairs = np.unique(np.stack([group, minibatch]), axis=1)
+    split = np.unique(pairs[0][np.flatnonzero(pairs[0][1:] == pairs[0][:-1])])
+    return plan.ids[traj[np.isin(group, split)]].tolist()
 
 
 def _rows_key(sub, tokens_hash: dict[str, str]) -> tuple:
@@ -100,6 +129,8 @@ class OPDLearner(Optimised):
         for t in teachers:
             per_domain[t.domain] = per_domain.get(t.domain, 0.0) + t.weight
         self._share = {t.name: t.weight / per_domain[t.domain] for t in teachers}
+        counts = collections.Counter(t.domain for t in teachers)
+        self._shared = {t.name for t in teachers if counts[t.domain] > 1}  # their rows must share a step
         head_dtype = self.model.get_output_embeddings().weight.dtype
         self.heads = HeadScheduler(self.teachers, self.device, dtype=head_dtype, prefetch=self.cfg.opd.prefetch,
                                    host_budget_bytes=int(self.cfg.opd.host_head_cache_gib * 2**30))
@@ -114,21 +145,22 @@ class OPDLearner(Optimised):
 
     def apply_update(self) -> dict[str, float]:
         """Clip, step the optimizer and the schedule, clear the gradients."""
-        grad_norm = self.clip()
-        if not math.isfinite(float(grad_norm)):  # a step would make every weight NaN: none is taken
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"OPD step {self.step + 1}: gradient norm {float(grad_norm)}; the step is not taken")
+        grad_norm = self.clip_finite("OPD")
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return {"grad_norm": float(grad_norm), "lr": self.scheduler.get_last_lr()[0], "step": self.step}
+        return {"grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0], "step": self.step}
 
     def accumulate_gradients(self, rank: int, plan, minibatch: int, tokens_hash: dict[str, str]) -> dict[str, float]:
         """Backward of every teacher group of this rank's share; leaves the step's gradients (all ranks,
         normalised by the global loss positions) in `.grad`; returns the step's metrics."""
         if self.heads is None:
             raise RuntimeError("OPD learner: set_teachers before plan_step")
+        apart = rows_apart(plan, self._shared) if self._shared and plan.num_minibatches > 1 else []
+        if apart:
+            raise ValueError(f"OPD plan puts rows {apart[:2]} of one trajectory in different minibatches, which "
+                             "cancels the teacher weights of their domain; plan with opd_learner.plan_iteration")
         groups = teacher_groups(plan, minibatch, rank)
         for name, _ in groups:
             if name not in self.teachers:

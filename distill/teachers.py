@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from core.errors import UserError
-from core.hf import resolve_checkpoint
+from core.hf import check_plain_logits, resolve_checkpoint
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -90,20 +90,39 @@ def tokenizer_signature(ckpt: Path) -> dict:
     return {"vocab": vocab, "special": special}
 
 
-def _head_location(ckpt: Path, cfg: dict) -> tuple[str, str, tuple[int, ...]]:
-    """(file, tensor key, shape) of the output head (the tied embedding when the head is tied)."""
+def _find_tensor(ckpt: Path, key: str) -> tuple[str, tuple[int, ...]] | None:
+    """(file, shape) of tensor `key` in the checkpoint's safetensors files, or None."""
     from safetensors import safe_open
 
-    keys = ("lm_head.weight", "model.embed_tokens.weight") if not cfg.get("tie_word_embeddings") else \
-        ("model.embed_tokens.weight", "lm_head.weight")
     files = sorted(ckpt.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {ckpt}")
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            if key in st.keys():
+                return f.name, tuple(st.get_slice(key).get_shape())
+    return None
+
+
+def _full_config(ckpt: Path, cfg: dict) -> dict:
+    """config.json `cfg` with its model class's defaults filled in (a file written by hand may leave out a
+    default logit scale); as written where the class does not build it (an unknown model type)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(ckpt).to_dict()
+    except Exception:  # transformers raises many types for a config it cannot build
+        return cfg
+
+
+def _head_location(ckpt: Path, cfg: dict) -> tuple[str, str, tuple[int, ...]]:
+    """(file, tensor key, shape) of the output head (the tied embedding when the head is tied)."""
+    keys = ("lm_head.weight", "model.embed_tokens.weight") if not cfg.get("tie_word_embeddings") else \
+        ("model.embed_tokens.weight", "lm_head.weight")
     for key in keys:
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                if key in st.keys():
-                    return f.name, key, tuple(st.get_slice(key).get_shape())
+        found = _find_tensor(ckpt, key)
+        if found:
+            return found[0], key, found[1]
     raise KeyError(f"no output head ({' or '.join(keys)}) in {ckpt}")
 
 
@@ -117,8 +136,11 @@ def describe(domain: str, index: int, path: str, weight: float) -> Teacher:
     try:
         cfg = json.loads((ckpt / "config.json").read_text())
         head_file, head_key, shape = _head_location(ckpt, cfg)
+        head_bias = _find_tensor(ckpt, "lm_head.bias") is not None
+        full_cfg = _full_config(ckpt, cfg)
     except (OSError, ValueError, KeyError, Exception) as exc:  # safetensors raises its own error types
         raise UserError(f"teacher {name} ({ckpt}): cannot read its weights: {exc}") from None
+    check_plain_logits(full_cfg, head_bias, f"teacher {name} ({ckpt})")  # its logits are rebuilt as h @ W.T
     vocab, hidden = int(cfg.get("vocab_size", shape[0])), int(cfg.get("hidden_size", shape[1]))
     if shape != (vocab, hidden):
         raise UserError(f"teacher {name} ({ckpt}): output head {head_key} has shape {shape}, config says "

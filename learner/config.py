@@ -18,7 +18,7 @@ class PolicyConfig(Config):
     num_kv_heads: int = Field(2, ge=1, le=128, description="key/value heads (GQA)")
     intermediate_size: int = Field(384, ge=16, le=65536, description="MLP width")
     max_positions: int = Field(256, ge=16, le=1 << 20, description="longest sequence in tokens")
-    seed: int = Field(0, ge=0, description="initialisation seed")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="initialisation seed (torch.manual_seed takes 64 bits)")
 
 
 class SFTConfig(Config):
@@ -31,7 +31,7 @@ class SFTConfig(Config):
     warmup_steps: int = Field(20, ge=0, description="linear warm-up steps, then cosine decay to 10%")
     weight_decay: float = Field(0.01, ge=0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(1.0, gt=0, description="max global grad norm")
-    seed: int = Field(0, ge=0, description="data order and dropout seed")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="data order and dropout seed (torch.manual_seed takes 64 bits)")
     threads: int = Field(1, ge=1, le=256, description="torch CPU threads (1: a tiny model gains little from more, and oversubscribed cores lose a lot)")
     log_every: int = Field(10, ge=1, description="steps between metrics lines")
 
@@ -40,7 +40,7 @@ class EvalConfig(Config):
     """Pass@1 on a domain's eval split."""
 
     n: int = Field(100, ge=1, le=1_000_000, description="eval prompts per domain")
-    seed: int = Field(1234, ge=0, description="prompt draw and sampling seed")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="prompt draw and sampling seed (torch.manual_seed takes 64 bits)")
     temperature: float = Field(0.0, ge=0, le=10, description="0 = greedy")
     max_new_tokens: int = Field(48, ge=1, le=65536, description="generation budget per turn")
     batch_size: int = Field(64, ge=1, le=65536, description="prompts decoded together")

@@ -47,6 +47,15 @@ class Optimised:
             return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.grad_clip, foreach=foreach)
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
 
+    def clip_finite(self, kind: str) -> float:
+        """`clip()`, then the norm as a float; a non-finite norm clears the gradients and raises
+        FloatingPointError, since a step on it would make every weight NaN (one host sync per step)."""
+        grad_norm = float(self.clip())
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"{kind} step {self.step + 1}: gradient norm {grad_norm}; the step is not taken")
+        return grad_norm
+
     def state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                 "step": self.step, "policy_version": self.policy_version}

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from core.hf import check_model_logits
 from learner.grpo_config import GRPOConfig
 from learner.grpo_loss import LossInputs, grpo_loss, logprobs_from_hidden, seq_ids_from_cu_seqlens
 from learner.logprob_head import kept_bytes, logprobs_kept_grad
@@ -227,8 +228,10 @@ class LogprobModel(torch.nn.Module):
     def __init__(self, model, chunk_rows: int = 2048, attention: str | None = None, kept_head_bytes: int = 0):
         """`kept_head_bytes`: when a forward that needs gradients would hold at most this many bytes of
         softmax gradient (2·V per row in bf16, `learner.logprob_head`), the LM head forms it in the
-        forward and the backward needs one GEMM; else (and at 0) the head recomputes chunk by chunk."""
+        forward and the backward needs one GEMM; else (and at 0) the head recomputes chunk by chunk.
+        A model whose logits are not hidden @ W.T (a logit scale, a softcap, a head bias) is refused."""
         super().__init__()
+        check_model_logits(model, f"policy {type(model).__name__}")
         self.model = model
         self.chunk_rows = chunk_rows
         self.attention = attention  # a learner.packed_attention backend; None: the model's own
@@ -376,9 +379,8 @@ class Learner(Optimised):
         """One optimizer step over this rank's micro-batches (every rank calls it with its share)."""
         t0 = time.perf_counter()
         metrics = self.accumulate_gradients(micro_batches)
-        grad_norm = self.clip()
+        metrics["grad_norm"] = self.clip_finite("GRPO")  # refused before any weight changes
         self.optimizer.step()
-        metrics["grad_norm"] = float(grad_norm)  # read after the update is queued: no GPU idle gap
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1

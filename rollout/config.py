@@ -15,7 +15,8 @@ class EngineConfig(Config):
     max_len: int = Field(0, ge=0, le=1 << 20, description="longest trajectory in tokens; 0 = the model's max positions")
     strict: bool = Field(True, description="batch-invariant mode: one row per forward and decode-point replay on resume")
     dtype: str = Field("float32", pattern="^(float32|bfloat16|float16)$", description="weights and KV dtype")
-    device: str = Field("cpu", description="torch device of the engine")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="torch device of the engine: cpu, cuda or "
+                        "cuda:N (a CUDA device must be present when the run starts)")
     cuda_graphs: bool = Field(False, description="decode every step as one CUDA graph (the static all-slot forward, "
                               "captured when the worker starts): on a CUDA device only, a no-op on a CPU; needs "
                               "strict = false; each step attends over all max_len positions, so keep max_len near "

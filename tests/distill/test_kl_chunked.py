@@ -156,3 +156,33 @@ def test_mismatched_shapes_raise():
         distill.reverse_kl(h_s, W_s, h_t[:4], W_t)
     with pytest.raises(ValueError, match="hidden"):
         distill.reverse_kl(h_s, W_s[:, :7], h_t, W_t)
+
+
+@pytest.mark.parametrize("exclude", ["mask", "weight"])
+def test_a_row_outside_the_loss_with_non_finite_teacher_states_adds_nothing(exclude):
+    # a masked (or zero-weight) row holding garbage, e.g. padding: loss and gradients are those of the rest
+    h_s, W_s, h_t, W_t = make_inputs(4, 50, 8, 8, seed=7)
+    keep = torch.tensor([True, True, True, False])
+    kw = dict(mask=keep) if exclude == "mask" else dict(weights=keep.float() / 3)
+    bad = h_t.clone()
+    bad[3] = float("nan")
+    loss, gh, gW = _ours(h_s, W_s, bad, W_t, **kw)
+    ref = reverse_kl_reference(h_s[:3], W_s, h_t[:3], W_t)
+    assert torch.isfinite(loss) and torch.isfinite(gh).all() and torch.isfinite(gW).all()
+    assert rel_err(loss, ref[0]) <= TOL[torch.float32]["loss"]
+    assert rel_err(gh[:3], ref[1]) <= TOL[torch.float32]["grad"] and not gh[3].any()
+    assert rel_err(gW, ref[2]) <= TOL[torch.float32]["grad"]
+
+
+def test_fp16_gradients_are_scaled_before_they_are_rounded():
+    # GradScaler's loss * 2**16: gradients of ~1e-6 are subnormal in fp16; rounded before the scale they
+    # lose most of their digits (dW 8e-2 off), scaled first they keep fp16's precision
+    scale = 2.0 ** 16
+    h_s, W_s, h_t, W_t = make_inputs(64, 512, 16, 16, dtype=torch.float16, seed=0)
+    weights = torch.full((64,), 2.0 ** -16)
+    hs, Ws = h_s.clone().requires_grad_(True), W_s.clone().requires_grad_(True)
+    (distill.reverse_kl(hs, Ws, h_t, W_t, weights=weights) * scale).backward()
+    ref = reverse_kl_reference(h_s, W_s, h_t, W_t, weights=weights)
+    assert hs.grad.dtype == torch.float16 and Ws.grad.dtype == torch.float16
+    assert rel_err(hs.grad.double() / scale, ref[1]) <= TOL[torch.float16]["grad"]
+    assert rel_err(Ws.grad.double() / scale, ref[2]) <= TOL[torch.float16]["grad"]

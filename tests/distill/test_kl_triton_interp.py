@@ -39,8 +39,9 @@ SMALL = dict(BLOCK_M=16, BLOCK_V=128, BLOCK_K=16, EW_BLOCK=1024)
 WIDE = dict(BLOCK_M=16, BLOCK_V=1024, BLOCK_K=16, EW_BLOCK=8192)  # V = 50,257
 
 
-def _run(x, coef, temperature=1.0, chunk_tokens=16, **config):
-    return kl_triton.kl_and_grads(*x, coef, temperature, True, chunk_tokens=chunk_tokens, config=config)
+def _run(x, coef, temperature=1.0, chunk_tokens=16, grads_f32=False, **config):
+    return kl_triton.kl_and_grads(*x, coef, temperature, True, chunk_tokens=chunk_tokens, config=config,
+                                  grads_f32=grads_f32)
 
 
 def _check(x, dtype, weights=None, mask=None, temperature=1.0, **config):
@@ -122,3 +123,50 @@ def test_pipelined_schedule_is_bit_identical(grad_group):
     for a, b in zip(serial, piped):
         assert torch.equal(a, b)
     _check(x, torch.bfloat16, overlap=True, **cfg)
+
+
+def test_chunks_and_heads_past_int32_offsets_are_refused_by_name():
+    # 17,408 x 129,280 logits read out of bounds on an H100 (an illegal memory access); 16,576 ran right
+    from distill.kl_triton import check_launch, default_config
+
+    cfg = default_config(torch.bfloat16, torch.device("cpu"))
+    check_launch(16_384, 129_280, 4096, cfg)
+    with pytest.raises(ValueError, match="int32 offsets"):
+        check_launch(17_408, 129_280, 4096, cfg)
+    with pytest.raises(ValueError, match="output head"):
+        check_launch(16, 262_144, 8192, cfg)
+
+
+@interp
+@pytest.mark.parametrize("config,chunk,words", [(dict(EW_BLOCK=1), 16, "grid's second axis"),
+                                                (dict(BLOCK_M=1, BLOCK_V=1), 1 << 20, "lower chunk_tokens")])
+def test_launches_over_cudas_grid_limits_are_refused_by_name(config, chunk, words):
+    x = make_inputs(4, 70_000, 2, 2, seed=5)
+    with pytest.raises(ValueError, match=words):
+        _run(x, torch.full((4,), 0.25), chunk_tokens=chunk, **dict(SMALL, **config))
+
+
+@interp
+def test_a_masked_row_with_non_finite_teacher_states_adds_nothing():
+    h_s, W_s, h_t, W_t = make_inputs(7, 1001, 32, 48, seed=8)
+    mask = torch.tensor([True] * 6 + [False])
+    bad = h_t.clone()
+    bad[6] = float("nan")
+    kl_N, gh, gW = _run((h_s, W_s, bad, W_t), token_coefficients(7, None, mask, "cpu"), **SMALL)
+    ref = reverse_kl_reference(h_s[:6], W_s, h_t[:6], W_t)
+    assert torch.isfinite(gh).all() and torch.isfinite(gW).all() and not gh[6].any()
+    assert rel_err(kl_N[:6].mean(), ref[0]) <= TOL[torch.float32]["loss"]
+    assert rel_err(gh[:6], ref[1]) <= TOL[torch.float32]["grad"]
+    assert rel_err(gW, ref[2]) <= TOL[torch.float32]["grad"]
+
+
+@interp
+@pytest.mark.parametrize("variant", ["fused", "cublas"])
+def test_fp16_gradients_come_back_float32_when_asked(variant):
+    # reverse_kl scales them by the upstream gradient (a loss scale) before the cast to fp16
+    x = make_inputs(7, 1001, 32, 48, dtype=torch.float16, seed=9)
+    coef = torch.full((7,), 1 / 7, dtype=torch.float32)
+    _, gh, gW = _run(x, coef, grads_f32=True, variant=variant, **SMALL)
+    ref = reverse_kl_reference(*x)
+    assert gh.dtype == torch.float32 and gW.dtype == torch.float32
+    assert rel_err(gh, ref[1]) <= TOL[torch.float32]["grad"] and rel_err(gW, ref[2]) <= TOL[torch.float32]["grad"]

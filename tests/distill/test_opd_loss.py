@@ -12,7 +12,7 @@ import torch
 from core.hf import load_policy
 from distill.cache import CacheMismatch, CacheRecord, check
 from distill.opd_config import OPDTrainConfig
-from distill.opd_learner import OPDLearner
+from distill.opd_learner import OPDLearner, plan_iteration
 from tests.distill.opd_fixtures import build_case, hashes, set_threads
 
 
@@ -81,7 +81,7 @@ def test_a_wrong_normaliser_or_a_dropped_teacher_would_be_seen(case):
 def test_one_teacher_head_resident_and_each_loaded_once_per_minibatch(case):
     student, teachers, dp, sampled, sel = case
     learner = _learner(student, teachers)
-    plan = dp.plan(sel, tokens_per_rank=int(sel.length.max()) * 2, ranks=1, by_teacher=True, seed=3)
+    plan = plan_iteration(dp, sel, ranks=1, minibatches=6, seed=3)
     assert plan.num_minibatches >= 3
     live = []
     real = learner.heads.resident
@@ -114,6 +114,44 @@ def test_one_teacher_head_resident_and_each_loaded_once_per_minibatch(case):
     assert live and max(live) == 1, live
     assert learner.heads.max_resident == 1
     assert learner.heads.host.reads == len(teachers)  # each head read from storage once, then from host memory
+
+
+def _minibatch_trajectories(plan, m: int) -> set[str]:
+    return {row.rsplit("@", 1)[0] for row in plan.ids[plan.seg_traj[plan.bin(m, 0)]].tolist()}
+
+
+def test_every_step_of_a_many_minibatch_plan_weights_its_teachers(case):
+    """Each optimizer step of the loop's plan is the fp64 objective sum_i w_i KL_i / n over the
+    trajectories it holds: a trajectory's rows for arith's two teachers share a step, so neither
+    teacher's weight cancels against the step's normaliser. One teacher head stays resident."""
+    student, teachers, dp, sampled, sel = case
+    learner = _learner(student, teachers)
+    plan = plan_iteration(dp, sel, ranks=1, minibatches=6, seed=0)
+    assert plan.num_minibatches >= 3
+    one_teacher_steps = 0
+    for m in range(plan.num_minibatches):
+        trajs = _minibatch_trajectories(plan, m)
+        names = {plan.teachers[c] for c in plan.teacher[plan.seg_traj[plan.bin(m, 0)]].tolist()}
+        one_teacher_steps += len(names & {"arith:0", "arith:1"}) == 1
+        metrics = learner.accumulate_gradients(0, plan, m, hashes(dp, sel, sampled))
+        want_loss, want_grads = _reference(student, teachers, [s for s in sampled if s.traj_id in trajs])
+        assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5), m
+        for name, p in learner.model.named_parameters():
+            torch.testing.assert_close(p.grad.double(), want_grads[name], rtol=2e-4, atol=1e-7, msg=f"{m} {name}")
+        learner.optimizer.zero_grad(set_to_none=True)
+    assert one_teacher_steps == 0
+    assert learner.heads.max_resident == 1
+
+
+def test_a_plan_that_puts_a_trajectorys_rows_in_different_steps_is_refused(case):
+    """Teacher-sorted rows without their trajectory's grouping (arith:0's rows in steps of their own)
+    would divide each teacher's weight out of its step: refused by name before any gradient."""
+    student, teachers, dp, sampled, sel = case
+    learner = _learner(student, teachers)
+    plan = dp.plan(sel, tokens_per_rank=int(sel.length.max()), ranks=1, by_teacher=True, seed=0)
+    with pytest.raises(ValueError, match="cancels the teacher weights"):
+        learner.accumulate_gradients(0, plan, 0, hashes(dp, sel, sampled))
+    assert all(p.grad is None for p in learner.model.parameters())
 
 
 def test_the_residency_count_sees_a_leaked_head(case):

@@ -186,3 +186,27 @@ def test_micro_batch_budget_cuts_oversized_batches():
     assert [g[1] for g in got] == [1, len(batch.split(20))] and got[1][1] > 2
     for name in got[0][0]:
         torch.testing.assert_close(got[1][0][name], got[0][0][name], rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_a_step_whose_gradient_is_not_finite_is_not_taken():
+    """One activation overflowing to inf (as a bf16 overflow in a long run would) makes the gradient
+    non-finite: the step raises before any weight, the optimizer state or the step count changes."""
+    model, vocab = tiny_model(torch.float32)
+    learner = Learner(model, config(optim={"lr": 1e-3, "grad_clip": 1.0}))
+    batch = synthetic_packed_batch(vocab, [9, 7], seed=1)
+
+    def overflow(module, inputs, out):
+        out = out.clone()
+        out[0, 5] = float("inf")
+        return out
+
+    hook = model.model.layers[0].mlp.register_forward_hook(overflow)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="not taken"):
+        learner.train_step([batch])
+    hook.remove()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert learner.step == 0 and not learner.optimizer.state
+    learner.train_step([batch])  # the next finite step goes through
+    assert learner.step == 1
