@@ -118,6 +118,7 @@ class RolloutWorker:
         self.queue: deque[Request] = deque()
         self.reqs: dict[str, Request] = {}
         self.prompt_len: dict[str, int] = {}
+        self._prompt_ids: dict[str, list[int]] = {}  # each held request's prompt, encoded once (at submit)
         self.counters: Counter = Counter()
         self._stream: dict[str, tuple[int, list[int]]] = {}
         self._finished: list[Finished] = []
@@ -131,19 +132,22 @@ class RolloutWorker:
     def submit(self, requests: list[Request]) -> None:
         """Queue the requests not held yet. Each new one is checked first (ValueError naming it, nothing queued):
         a prompt that encodes to no token or leaves no room for one would fail its whole admission batch."""
-        new = [r for r in requests if r.traj_id not in self.reqs]
-        for r in new:
-            self._check_prompt(r)
-        for r in new:
+        new: dict[str, Request] = {}
+        for r in requests:  # the first of an id wins, as a held one does
             if r.traj_id not in self.reqs:
-                self.reqs[r.traj_id] = r
-                self.queue.append(r)
+                new.setdefault(r.traj_id, r)
+        ids = {t: self._checked_prompt(r) for t, r in new.items()}
+        for t, r in new.items():
+            self.reqs[t], self._prompt_ids[t] = r, ids[t]
+            self.queue.append(r)
 
-    def _check_prompt(self, req: Request) -> None:
-        n, limit = len(self.engine.tok.encode(req.prompt)), self.engine.max_len
-        if not 0 < n < limit:
-            raise ValueError(f"request {req.traj_id!r}: a prompt of {n} tokens; engine.max_len {limit} "
+    def _checked_prompt(self, req: Request) -> list[int]:
+        """The request's prompt encoded; ValueError naming it when it cannot be admitted."""
+        ids, limit = self.engine.tok.encode(req.prompt), self.engine.max_len
+        if not 0 < len(ids) < limit:
+            raise ValueError(f"request {req.traj_id!r}: a prompt of {len(ids)} tokens; engine.max_len {limit} "
                              f"admits 1 to {limit - 1}")
+        return ids
 
     def finalize(self, traj_ids: list[str]) -> None:
         """The pool holds these finished trajectories: drop their snapshots, and mark them finalized in the WAL
@@ -153,6 +157,7 @@ class RolloutWorker:
             self._drop_snapshot(t)
             self.reqs.pop(t, None)
             self.prompt_len.pop(t, None)
+            self._prompt_ids.pop(t, None)
         if traj_ids:
             self.committer.call(lambda: self._finalize_log(list(traj_ids)))
 
@@ -317,9 +322,10 @@ class RolloutWorker:
         """Admit one request, given what the WAL holds of it (None: finalized); True when its prompt was
         appended to the WAL (the caller commits)."""
         eng, traj = self.engine, req.traj_id
-        prompt = eng.tok.encode(req.prompt)
+        prompt = self._prompt_ids.get(traj) or eng.tok.encode(req.prompt)
         if held is None:  # finished and acknowledged earlier: its record lives in the data plane
             self.reqs.pop(traj, None)
+            self._prompt_ids.pop(traj, None)
             self._already_final.append(traj)
             return False
         committed = held.tokens
