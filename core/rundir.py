@@ -107,6 +107,32 @@ class RunDir:
         return out
 
 
+
+def last_metrics(path: Path, max_bytes: int = 1 << 16) -> list[dict[str, Any]]:
+    """The rows among the last `max_bytes` of a metrics.jsonl that another process may be appending to, for a
+    progress display: only whole lines that parse (a row being written, or one cut by the window, is left out).
+    [] when the file is missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - max_bytes))
+            data = f.read(max_bytes)
+    except OSError:
+        return []
+    lines = data.split(b"\n")
+    if size > max_bytes:
+        lines = lines[1:]  # the window began inside a line
+    rows = []
+    for line in lines[:-1]:  # the last piece has no newline after it yet: still being written, or empty
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def tree_disk_bytes(path: str | Path) -> int:
     """Allocated bytes of every file under `path` (files that vanish meanwhile count 0)."""
     total = 0

@@ -110,6 +110,30 @@ class RemoteStore:
         sel = pafs.FileSelector(self.path(prefix), allow_not_found=True)
         return sorted(i.base_name for i in self.fs.get_file_info(sel) if i.type == pafs.FileType.Directory)
 
+    def sweep_temps(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
+        """Delete the temp keys (`.NAME.tmp.*`, see `put`) right under `prefix` whose writer stopped more than
+        `older_than_s` ago: it died between the write and the move. A live writer's temp key is younger (one
+        stream, then the move). Returns how many went; a listing or delete that fails skips them."""
+        import time
+
+        cutoff = time.time() - older_than_s
+        try:
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path(prefix), allow_not_found=True))
+        except _ERRORS:
+            return 0
+        gone = 0
+        for i in infos:
+            if i.type != pafs.FileType.File or not i.base_name.startswith(".") or ".tmp." not in i.base_name:
+                continue
+            if i.mtime is None or i.mtime.timestamp() > cutoff:  # no time kept: it may be a live writer's
+                continue
+            try:
+                self.fs.delete_file(i.path)
+                gone += 1
+            except _ERRORS:
+                pass
+        return gone
+
     def _try_delete(self, path: str) -> None:
         try:
             self.fs.delete_file(path)

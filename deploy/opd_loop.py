@@ -150,10 +150,13 @@ class OPDLoop:
             if not meta_path.is_file():
                 raise UserError(f"opd: --resume but {self.out} holds no OPD run (opd_run.json missing)")
             old = read_record(meta_path, {"run_id": str, "teachers": list}, "start the run afresh in another --out")
-            if old["teachers"] != teachers:
+            if [_without_path(t) for t in old["teachers"]] != [_without_path(t) for t in teachers]:
                 raise UserError(f"opd: {self.out} was trained with other teachers ({[t.get('name', '?') + ' ' + str(t.get('path')) for t in old['teachers'] if isinstance(t, dict)]}); "
-                                "--resume needs the same teacher set (paths, weights and weights fingerprints)")
+                                "--resume needs the same teacher set (domains, weights and weights fingerprints)")
             check_resume("opd", meta_path, old.get("settings"), settings, config)
+            if old["teachers"] != teachers:  # the same weights found elsewhere (a moved run directory): recorded there
+                from core.atomic import write_atomic
+                write_atomic(meta_path, json.dumps(old | {"teachers": teachers}, indent=2).encode())
             return old["run_id"]
         if not fresh:
             raise UserError(f"opd: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
@@ -551,3 +554,9 @@ def run_opd(cfg: OPDLoopConfig, student, teacher_args, out, iterations: int, cha
             quiet=False, stop_after=None, storage=None) -> dict:
     return OPDLoop(cfg, student, teacher_args, out, iterations, chaos_seed, resume, quiet, stop_after,
                    storage).run_loop()
+
+
+def _without_path(teacher) -> object:
+    """A recorded teacher as its identity: where its weights lie is not part of it (a run directory holding its
+    teachers can move), its fingerprint is."""
+    return {k: v for k, v in teacher.items() if k != "path"} if isinstance(teacher, dict) else teacher

@@ -26,6 +26,7 @@ from core import config
 from core.atomic import write_atomic
 from core.digest import sha256_tree
 from core.errors import UserError
+from core.rundir import last_metrics
 from deploy import manifest
 from deploy.run_lock import NAME as LOCK_NAME, lock_run_dir
 from deploy.run_records import read_record
@@ -264,9 +265,9 @@ class Pipeline:
 
     @staticmethod
     def _latest(metrics: Path | None) -> str:
-        if metrics is None or not metrics.is_file():
+        if metrics is None:
             return ""
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()[-50:] if '"eval"' in line]
+        rows = [r for r in last_metrics(metrics) if any(k.startswith("eval_pass_at_1") for k in r)]
         if not rows:
             return ""
         r = rows[-1]
@@ -382,14 +383,8 @@ class Pipeline:
     @staticmethod
     def _spent(out: Path) -> float:
         """Wall seconds an interrupted run already spent (its last metrics row)."""
-        path = out / "metrics.jsonl"
-        if not path.is_file():
-            return 0.0
-        lines = path.read_text().strip().splitlines()
-        try:
-            return float(json.loads(lines[-1]).get("time_s", 0.0)) if lines else 0.0
-        except ValueError:
-            return 0.0
+        rows = [r for r in last_metrics(out / "metrics.jsonl") if isinstance(r.get("time_s"), (int, float))]
+        return float(rows[-1]["time_s"]) if rows else 0.0
 
     def _reap(self, running: list) -> list:
         still = []

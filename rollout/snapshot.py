@@ -478,6 +478,7 @@ class _Decoded:
 NAME_BYTES = 200  # of a trajectory id's safe part in a file name: with its hash, suffix and a temp file's
                   # ".NAME.tmp.PID" the name stays under the 255 bytes of a file name (ids within keep their names)
 TEMP_GRACE_S = 60.0  # a dead writer's temp file younger than this is left to its trajectory's delete (shared stores)
+REMOTE_TEMP_GRACE_S = 3600.0  # a remote store's temp keys carry no pid: one older than this lost its writer
 
 
 class SnapshotStore:
@@ -487,7 +488,8 @@ class SnapshotStore:
     delete, and a read of it is an `unreadable` SnapshotRejected: the WAL holds every committed token, so the
     caller counts the failure and re-prefills. A local store removes the temp files of writers killed mid-write
     (`core.atomic` names them `.NAME.tmp.PID`): a dead process's older than `TEMP_GRACE_S` when the store is
-    opened, and a trajectory's own when it is deleted."""
+    opened, and a trajectory's own when it is deleted. A remote store removes, when opened, the temp keys of
+    writes that never reached their move (`RemoteStore.put`) older than `REMOTE_TEMP_GRACE_S`."""
 
     def __init__(self, uri: str | Path):
         uri = str(uri)
@@ -497,6 +499,7 @@ class SnapshotStore:
             from dataplane.remote import RemoteStore
 
             self._remote, self._local = RemoteStore(uri), None
+            self._remote.sweep_temps("", REMOTE_TEMP_GRACE_S)
         else:
             self._local = Path(uri.removeprefix("file://"))
             fileio.makedirs(self._local)

@@ -77,6 +77,18 @@ def test_opd_resume_with_other_settings_is_refused_naming_them(tmp_path, models)
     _opd(out, models["a"], models["t"], "loop.time_budget_s=99", resume=True)
 
 
+def test_opd_resume_finds_its_teachers_moved_but_not_others(tmp_path, models):
+    out, moved = tmp_path / "run", tmp_path / "moved" / "t"
+    _opd(out, models["a"], models["t"])
+    shutil.copytree(models["t"], moved)  # the same weights elsewhere: a run directory holding its teachers moved
+    _opd(out, models["a"], moved, resume=True)
+    assert json.loads((out / "opd_run.json").read_text())["teachers"][0]["path"] == str(moved)
+    with pytest.raises(UserError, match="other teachers"):  # other weights under the moved name
+        shutil.rmtree(moved)
+        shutil.copytree(models["b"], moved)
+        _opd(out, models["a"], moved, resume=True)
+
+
 def _pipeline(runs, *sets, force=False, chaos=None):
     cfg = config.load(PipelineConfig, default_config("pipeline"), list(sets))
     return Pipeline(cfg, "p", runs=runs, quiet=True, force=force, chaos=chaos)
@@ -213,6 +225,20 @@ def test_metrics_with_a_cut_off_last_line_are_read_and_appended_to(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"stage": "a"}\n{"stage": \n{"stage": "b"}\n')
     with pytest.raises(UserError, match=r"metrics\.jsonl line 2 is damaged"):
         RunDir(tmp_path).read_metrics()
+
+
+def test_the_pipeline_reads_a_childs_metrics_while_it_appends(tmp_path):
+    """The live progress line and the budget spent read metrics.jsonl while the stage's process writes it: a
+    row half written is no row yet, and does not stop the pipeline."""
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"time_s": 40.0, "stage": "eval", "eval_pass_at_1": 0.25}\n'
+                 '{"time_s": 41.5, "stage": "train"}\n{"time_s": 60.0, "stage": "eval", "eval_pass_at_1": 0.')
+    assert Pipeline._latest(m) == "pass@1 pass_at_1 0.25"
+    assert Pipeline._spent(tmp_path) == 41.5  # the last whole row, not 0 (a whole budget again)
+    pad = "".join(f'{{"time_s": {i}.0, "stage": "train", "pad": "{"x" * 200}"}}\n' for i in range(400))
+    m.write_text(pad + '{"time_s": 500.0, "stage": "eval", "eval_pass_at_1_arith": 0.5}\n')  # past the window
+    assert Pipeline._latest(m) == "pass@1 arith 0.50" and Pipeline._spent(tmp_path) == 500.0
+    assert Pipeline._latest(tmp_path / "none.jsonl") == "" and Pipeline._spent(tmp_path / "none") == 0.0
 
 
 # -- 6. chaos is a setting of the stages that inject faults only ---------------------------------------------

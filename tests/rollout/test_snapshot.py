@@ -31,6 +31,27 @@ def test_mem_fs_store():
     assert store.get("a") == b"xyz" and store.delete("a") and store.get("a") is None
 
 
+def test_a_remote_store_sweeps_the_temp_keys_of_writers_that_died(tmp_path):
+    """A write that never reached its move leaves `.NAME.tmp.*` on the object store; opening the store removes
+    such keys older than the grace, and no other object."""
+    import os
+    import time
+
+    import rollout.snapshot as snap
+
+    root = tmp_path / "kv"
+    store = SnapshotStore(f"local://{root}")
+    store.put("a", b"xyz")
+    name = store._name("a")
+    dead, live = root / f".{name}.tmp.0123456789ab", root / f".{name}.tmp.ba9876543210"
+    dead.write_bytes(b"half"), live.write_bytes(b"half")
+    old = time.time() - snap.REMOTE_TEMP_GRACE_S - 60
+    os.utime(dead, (old, old))
+    os.utime(root / name, (old, old))  # an old snapshot stays
+    SnapshotStore(f"local://{root}")
+    assert not dead.exists() and live.exists() and store.get("a") == b"xyz"
+
+
 @pytest.fixture(params=["c", "python"])
 def reader(request, monkeypatch):
     """Both checked readers: the C one (rollout/_kvread.c) and the pool of Python threads."""
