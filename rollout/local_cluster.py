@@ -2,7 +2,7 @@
 
 For tests, benchmarks and drills (`postrain drill node-loss`): `LocalCluster(workers=2)` starts a head (GCS, dashboard with the job
 API, no CPUs of its own by default, so actors land on the worker nodes) and N worker raylets, all on
-free ports (never Redis' 6379). `remove_worker(i)` kills one worker node's processes (SIGKILL: a node
+free ports (never Redis' 6379, nor Ray's fixed defaults, which another cluster on the machine may hold). `remove_worker(i)` kills one worker node's processes (SIGKILL: a node
 failure, not a drain); `stop()` kills every process the cluster started, by pid. Nothing here joins
 the cluster: callers use `.address` (GCS, for ray.init / RAY_ADDRESS) or `.dashboard_url` (for
 `ray job submit --address`).
@@ -79,8 +79,8 @@ class LocalCluster:
         head = dict(gcs_server_port=free_port(), num_cpus=head_cpus, object_store_memory=OBJECT_STORE_BYTES,
                     include_dashboard=dashboard, dashboard_host="127.0.0.1",
                     _system_config=dict(FAST_FAILURE_DETECTION if system_config is None else system_config))
-        if dashboard:
-            head["dashboard_port"] = self.dashboard_port
+        if dashboard:  # the head's job agent too: Ray's fixed default (52365) may be another cluster's on this machine
+            head.update(dashboard_port=self.dashboard_port, dashboard_agent_listen_port=free_port())
         self._cluster = Cluster(initialize_head=True, connect=False, head_node_args=head, shutdown_at_exit=True)
         self.workers: list = []
         try:

@@ -5,8 +5,10 @@ rollout loses no acknowledged token and the run ends with the calm run's token h
 the cluster started is gone afterwards."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 
 from rollout.local_cluster import LocalCluster, alive
 
@@ -25,8 +28,17 @@ CLUSTER_TOML = str(ROOT / "configs" / "cluster.toml")
 
 @pytest.fixture(scope="module")
 def cluster():
+    # Ray's default port of a node's job agent held, as another Ray cluster on this machine holds it: the
+    # cluster must not need it (its job API never came up when it did)
+    held = socket.socket()
+    with contextlib.suppress(OSError):  # already taken: by another cluster, which is the case under test
+        held.bind(("0.0.0.0", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT))
+        held.listen()
     # one GPU declared per worker node (no device behind it): the RayJob's learner ranks ask for one each
-    c = LocalCluster(workers=2, cpus_per_worker=2, gpus_per_worker=1)
+    try:
+        c = LocalCluster(workers=2, cpus_per_worker=2, gpus_per_worker=1)
+    finally:
+        held.close()  # the agent is up (or never will be): the port has done its part
     yield c
     import ray
 
