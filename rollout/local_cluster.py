@@ -21,6 +21,9 @@ FAST_FAILURE_DETECTION = {"health_check_initial_delay_ms": 1000, "health_check_p
                           "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
 
 
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")  # Ray's token authentication settings
+
+
 def free_port() -> int:
     while True:
         with socket.socket() as s:
@@ -82,6 +85,9 @@ class LocalCluster:
         if dashboard:  # the head's job agent too: Ray's fixed default (52365) may be another cluster's on this machine
             head.update(dashboard_port=self.dashboard_port, dashboard_agent_listen_port=free_port())
         self._cluster = Cluster(initialize_head=True, connect=False, head_node_args=head, shutdown_at_exit=True)
+        # Ray's authentication as the head started with it (a Ray started earlier in this process turns token
+        # mode on in os.environ): a process joining from outside needs the same (`client_env`)
+        self.auth_env = {k: os.environ[k] for k in AUTH_ENV if k in os.environ}
         self.workers: list = []
         try:
             for _ in range(workers):
@@ -97,6 +103,14 @@ class LocalCluster:
     def address(self) -> str:
         """GCS address (RAY_ADDRESS / ray.init(address=...))."""
         return self._cluster.address
+
+    def client_env(self, base: dict | None = None) -> dict:
+        """The environment for a process that joins this cluster from outside (`ray job submit`, a driver with
+        RAY_ADDRESS): `base` (default os.environ) with the cluster's authentication mode and token source."""
+        env = dict(os.environ if base is None else base)
+        for k in AUTH_ENV:
+            env.pop(k, None)
+        return env | self.auth_env
 
     @property
     def dashboard_url(self) -> str:

@@ -34,11 +34,19 @@ def cluster():
     with contextlib.suppress(OSError):  # already taken: by another cluster, which is the case under test
         held.bind(("0.0.0.0", DEFAULT_DASHBOARD_AGENT_LISTEN_PORT))
         held.listen()
+    # A local Ray started and stopped in this process first, as other tests (and drivers) do: it leaves Ray's
+    # token authentication on in the process, so every process that joins from outside must carry it
+    # (LocalCluster.client_env)
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.shutdown()
     # one GPU declared per worker node (no device behind it): the RayJob's learner ranks ask for one each
     try:
         c = LocalCluster(workers=2, cpus_per_worker=2, gpus_per_worker=1)
     finally:
         held.close()  # the agent is up (or never will be): the port has done its part
+    assert c.auth_env.get("RAY_AUTH_MODE") == "token"
     yield c
     import ray
 
@@ -65,7 +73,7 @@ def submit(cluster, *argv, timeout=400):
     """`ray job submit` of `postrain ARGV` (the CLI a user types), blocking until the job ends."""
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "job", "submit", "--address", cluster.dashboard_url,
            "--", sys.executable, "-m", "deploy.cli", *argv]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cluster.client_env(ENV), cwd=ROOT)
     assert res.returncode == 0 and "succeeded" in res.stdout, f"job failed:\n{res.stdout[-4000:]}\n{res.stderr[-2000:]}"
     return res
 
@@ -110,7 +118,7 @@ def test_rayjob_entrypoint_passes_dry_run_on_the_cluster(cluster, tmp_path):
     env = {k: secrets[k] if not isinstance(v, str) else v.replace("/shared", str(tmp_path)) for k, v in pod_env(head).items()}
     argv = [a.replace("/app/", f"{ROOT}/") for a in entrypoint_argv(doc, env)]
     res = subprocess.run([sys.executable, "-m", "deploy.cli", *argv[1:], "--dry-run"], capture_output=True, text=True,
-                         timeout=300, env={**ENV, **env, "RAY_ADDRESS": cluster.address}, cwd=ROOT)
+                         timeout=300, env={**cluster.client_env(ENV), **env, "RAY_ADDRESS": cluster.address}, cwd=ROOT)
     assert res.returncode == 0, res.stdout + res.stderr
     rows = [ln.split()[:2] for ln in res.stdout.splitlines()[1:-1]]
     assert rows == [["ray", "ok"], ["catalog", "ok"], ["wal", "ok"], ["sandbox", "ok"], ["storage", "ok"]], res.stdout
@@ -119,7 +127,7 @@ def test_rayjob_entrypoint_passes_dry_run_on_the_cluster(cluster, tmp_path):
 
 def _postrain(cluster, *argv, timeout=180):
     return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], capture_output=True, text=True, timeout=timeout,
-                          env={**ENV, "RAY_ADDRESS": cluster.address}, cwd=ROOT)
+                          env={**cluster.client_env(ENV), "RAY_ADDRESS": cluster.address}, cwd=ROOT)
 
 
 def test_demands_the_cluster_cannot_hold_fail_at_start(cluster, ckpt, tmp_path):
@@ -143,7 +151,7 @@ def _rollout_in_driver_only_dir(cluster, ckpt, tmp_path, out_of):
     return subprocess.run(["bwrap", "--dev-bind", "/", "/", "--tmpfs", str(private), "--", sys.executable, "-m",
                            "deploy.cli", "rollout", "--checkpoint", str(ckpt), "--domain", "reverse", "--n", "2",
                            "--out", out_of(private), "--cluster", CLUSTER_TOML],
-                          capture_output=True, text=True, timeout=180, env={**ENV, "RAY_ADDRESS": cluster.address},
+                          capture_output=True, text=True, timeout=180, env={**cluster.client_env(ENV), "RAY_ADDRESS": cluster.address},
                           cwd=ROOT)
 
 
