@@ -29,8 +29,11 @@ sandbox-deps:
 run: $(STAMP)
 	$(BIN)/postrain pipeline --name default
 
+# The suite on every core (one pytest process per core, a test file's cases in one of them); TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n $(TEST_WORKERS) --dist loadfile
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
