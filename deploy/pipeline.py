@@ -180,7 +180,10 @@ class Pipeline:
         for stage in STAGES[:-1]:
             d = self.run_dir / stage
             settings, inputs = self._settings(stage), self._inputs(stage)
-            reason = "an earlier stage ran again" if redo else manifest.stale_reason(manifest.read(d), settings, inputs)
+            if redo:  # a stage never started has nothing to run again: it runs for the first time
+                reason = "an earlier stage ran again" if d.exists() else "not finished"
+            else:
+                reason = manifest.stale_reason(manifest.read(d), settings, inputs)
             if reason is None:
                 self._say(f"{stage}: done earlier, kept")
                 continue

@@ -109,6 +109,24 @@ def _fake_stages(p, seen: dict, kill_in: str | None = None):
         setattr(p, f"_stage_{name}", stage(name))
 
 
+def test_a_fresh_run_says_no_stage_runs_again_and_a_rerun_says_why(tmp_path, capsys):
+    p = _pipeline(tmp_path)
+    p.quiet = False
+    _fake_stages(p, {})
+    p._run_stages()
+    _release(p)
+    err = capsys.readouterr().err
+    assert "runs again" not in err and err.count(": done in") == 4, err  # sft, specialists, merge, evaluate
+    p = _pipeline(tmp_path, 'sft.set=["sft.steps=7"]', force=True)
+    p.quiet = False
+    _fake_stages(p, {})
+    p._run_stages()
+    _release(p)
+    err = capsys.readouterr().err
+    assert "sft: runs again: its settings changed" in err
+    assert "specialists: runs again: an earlier stage ran again" in err and "merge: runs again" in err
+
+
 def test_a_stage_interrupted_under_other_settings_starts_over(tmp_path, capsys):
     p = _pipeline(tmp_path)
     _fake_stages(p, {}, kill_in="specialists")
