@@ -107,7 +107,6 @@ class RunDir:
         return out
 
 
-
 def last_metrics(path: Path, max_bytes: int = 1 << 16) -> list[dict[str, Any]]:
     """The rows among the last `max_bytes` of a metrics.jsonl that another process may be appending to, for a
     progress display: only whole lines that parse (a row being written, or one cut by the window, is left out).

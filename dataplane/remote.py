@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 import uuid
 from pathlib import Path
 
@@ -114,8 +115,6 @@ class RemoteStore:
         """Delete the temp keys (`.NAME.tmp.*`, see `put`) right under `prefix` whose writer stopped more than
         `older_than_s` ago: it died between the write and the move. A live writer's temp key is younger (one
         stream, then the move). Returns how many went; a listing or delete that fails skips them."""
-        import time
-
         cutoff = time.time() - older_than_s
         try:
             infos = self.fs.get_file_info(pafs.FileSelector(self.path(prefix), allow_not_found=True))

@@ -137,6 +137,7 @@ class OPDLoop:
         """A fresh run (OUT empty but for its lock) records its teachers and identity (deploy/run_records.py)
         in opd_run.json; a resumed one must match both."""
         from deploy.run_lock import NAME as LOCK_NAME
+        from core.atomic import write_atomic
         from deploy.run_records import check_resume, identity, identity_config, read_record
         from distill.teachers import weights_fingerprint
 
@@ -155,13 +156,10 @@ class OPDLoop:
                                 "--resume needs the same teacher set (domains, weights and weights fingerprints)")
             check_resume("opd", meta_path, old.get("settings"), settings, config)
             if old["teachers"] != teachers:  # the same weights found elsewhere (a moved run directory): recorded there
-                from core.atomic import write_atomic
                 write_atomic(meta_path, json.dumps(old | {"teachers": teachers}, indent=2).encode())
             return old["run_id"]
         if not fresh:
             raise UserError(f"opd: output directory {self.out} is not empty; pick a fresh --out or pass --resume")
-        from core.atomic import write_atomic
-
         run_id = uuid.uuid4().hex
         write_atomic(meta_path, json.dumps({"run_id": run_id, "student": self.student_source, "domains": self.domains,
                                             "teachers": teachers, "settings": settings}, indent=2).encode())

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
 
@@ -37,8 +38,6 @@ def cluster():
     # A local Ray started and stopped in this process first, as other tests (and drivers) do: it leaves Ray's
     # token authentication on in the process, so every process that joins from outside must carry it
     # (LocalCluster.client_env)
-    import ray
-
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
     ray.shutdown()
     # one GPU declared per worker node (no device behind it): the RayJob's learner ranks ask for one each
@@ -48,8 +47,6 @@ def cluster():
         held.close()  # the agent is up (or never will be): the port has done its part
     assert c.auth_env.get("RAY_AUTH_MODE") == "token"
     yield c
-    import ray
-
     if ray.is_initialized():
         ray.shutdown()
     pids = c.pids()
