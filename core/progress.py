@@ -1,6 +1,7 @@
 """Progress bars for long work (rich), quiet when stderr is not a terminal or `quiet` is asked."""
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -25,3 +26,16 @@ def progress(description: str, total: int, quiet: bool = False) -> Iterator:
             bar.update(task, advance=n, info=info)
 
         yield advance
+
+
+def quiet_library_bars(quiet: bool = False) -> None:
+    """Hugging Face's own bars (loading and writing weights, one per checkpoint) follow the rule of ours: off
+    when `quiet` or stderr is not a terminal, else a run's log fills with them. An explicit
+    HF_HUB_DISABLE_PROGRESS_BARS wins. Call it before transformers loads: huggingface_hub reads the variable
+    once, at import (processes started later, Ray's workers among them, inherit it)."""
+    if not (quiet or not sys.stderr.isatty()):
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    hub = sys.modules.get("huggingface_hub.utils")
+    if hub is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        hub.disable_progress_bars()

@@ -9,6 +9,7 @@ import pkgutil
 import sys
 import traceback
 
+from core.progress import quiet_library_bars
 from deploy import commands
 from deploy.json_stdout import release_stdout, reserve_stdout
 
@@ -59,6 +60,7 @@ def _unwrap_remote(exc: BaseException) -> BaseException:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    quiet_library_bars(getattr(args, "quiet", False))
     if argv is None and getattr(args, "json", False):  # run as a program: stdout is the report's alone
         reserve_stdout()
     try:

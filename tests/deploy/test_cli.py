@@ -102,6 +102,14 @@ def sft_run(tmp_path_factory):
     return out
 
 
+def test_a_run_whose_stderr_is_a_log_gets_no_library_progress_bars(tmp_path):
+    """Hugging Face prints a bar per checkpoint written or loaded; a run logging to a file (as the pipeline's
+    stages do) keeps to its own lines, as our bars do."""
+    res = postrain("sft", "--out", str(tmp_path / "s"), "--steps", "2", *TINY)
+    assert (tmp_path / "s" / "final" / "model.safetensors").is_file()
+    assert "Writing model shards" not in res.stderr and "it/s]" not in res.stderr, res.stderr[-2000:]
+
+
 def test_sft_smoke_loss_falls_and_parameters_change(sft_run):
     rows = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if r.get("stage") == "sft"]
