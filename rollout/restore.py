@@ -11,10 +11,10 @@ the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the
 The split point comes from costs this process has measured (`SplitPolicy`): a head's prefill (a fixed
 part and seconds per token, once heads of different sizes were seen; else the lowest rate of the recent
 heads) and seconds per byte read cold. Of the whole read, a split at each block boundary and a prefill of
-every token (the snapshot left unread) it takes the quickest by those costs: a prefill's fixed part (~28 ms
-for this model on an H100 host, whatever the head's size up to 6k tokens) makes a short snapshot read
-whole, and where a cold read is slower than the prefill of all of it (8k tokens there: 72 ms against 35)
-the tokens are prefilled. Until both are known the first resume splits in the middle, which measures
+every token (the snapshot left unread, priced by such prefills timed alone: heads beside a read run slower)
+it takes the quickest by those costs: a prefill's fixed part (~28 ms for this model on an H100 host,
+whatever the head's size up to 6k tokens) makes a short snapshot read whole, and where a cold read is
+slower than the prefill of all of it (8k tokens there: 72 ms against 35) the tokens are prefilled. Until both are known the first resume splits in the middle, which measures
 both. A snapshot partly in
 the page cache (a split resume read its tails) splits like a cold one, but its read teaches no rate: it
 is neither a cold read nor a warm one (taken for cold, such reads of cached tails halved the cold rate on
@@ -88,16 +88,38 @@ class SplitPolicy:
         # 27 ms after) must not keep every later resume from splitting
         self.explore_every, self._unsplit = explore_every, 0
         self.read_s_per_byte: dict[bool, float | None] = {True: None, False: None}  # by `cached`
+        # prefills of every token of a resume, nothing read beside them: the cost of leaving a snapshot unread.
+        # Heads prefilled beside a tail's read run slower (an 8k resume on an H100 host: 2k-token heads took
+        # 83 ms, all 8k tokens alone 35), so a prefill of everything priced by the heads' line loses to a
+        # whole read it would beat (134 ms against 64)
+        self.alone: collections.deque = collections.deque(maxlen=window)
+        self._explored_alone = False  # the last exploration prefilled every token
         self._lock = threading.Lock()
 
     def _avg(self, old: float | None, new: float) -> float:
         return new if old is None else self.alpha * new + (1 - self.alpha) * old
 
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
+    def observe_prefill(self, tokens: int, seconds: float, alone: bool = False) -> None:
+        """A head's prefill beside its tail's read, or (`alone`) a prefill of every token, nothing read."""
         if tokens > 0 and seconds > 0:
             with self._lock:
+                if alone:
+                    self.alone.append((tokens, seconds))
+                    return
                 self.prefill_s_per_token = self._avg(self.prefill_s_per_token, seconds / tokens)
                 self.prefills.append((tokens, seconds))
+
+    def _alone_near(self, tokens: int) -> list[tuple[int, float]]:
+        return [(t, s) for t, s in self.alone if max(t, tokens) <= 1.5 * min(t, tokens)]
+
+    def recompute_s(self, tokens: int, model: tuple[float, float]) -> float:
+        """Seconds to prefill `tokens` with nothing read: the quickest prefill alone of a size within 1.5x,
+        scaled to `tokens`, else the heads' line `model` (dearer: heads run beside a read)."""
+        with self._lock:
+            near = self._alone_near(tokens)
+        if near:
+            return min(s * tokens / t for t, s in near)
+        return model[0] + model[1] * tokens
 
     def observe_read(self, nbytes: int, seconds: float, cached: bool) -> None:
         if nbytes > 0 and seconds > 0:
@@ -127,7 +149,11 @@ class SplitPolicy:
         fixed, p = model
         read = r * bytes_per_token  # seconds per token read
 
+        recompute = self.recompute_s(token_count, model)
+
         def seconds(at: int) -> float:
+            if at == token_count:
+                return recompute
             return token_count * read if at == 0 else max(fixed + p * at, read * (token_count - at))
 
         best = min([*range(0, last + 1, block), token_count], key=seconds)
@@ -136,7 +162,13 @@ class SplitPolicy:
             if self._unsplit < self.explore_every:
                 return best
             self._unsplit = 0
-        return min(range(block, last + 1, block), key=seconds)  # the best split, to measure the head again
+            # measure again what the costs may misprice: a prefill of every token until two of about this size
+            # were timed alone (every other exploration), else the best split (its head)
+            if best != token_count and not self._explored_alone and len(self._alone_near(token_count)) < 2:
+                self._explored_alone = True
+                return token_count
+            self._explored_alone = False
+        return min(range(block, last + 1, block), key=seconds)
 
 
 _tail_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tail")
@@ -169,7 +201,7 @@ def resume(eng, store: SnapshotStore, policy: SplitPolicy, traj: str, tokens: li
         if start >= n:  # a prefill of every token is quicker than any read of the snapshot
             prefilled = eng.add(traj, tokens, sampled, params)
             _sync(eng.device)
-            policy.observe_prefill(prefilled, time.perf_counter() - t0)
+            policy.observe_prefill(prefilled, time.perf_counter() - t0, alone=True)
             return Resumed(prefilled, 0, 0, RECOMPUTE)
         if start == 0:
             try:

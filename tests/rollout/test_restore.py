@@ -304,9 +304,35 @@ def test_a_slow_first_head_does_not_keep_later_resumes_from_splitting():
     policy.observe_prefill(4096, 0.48)
     policy.observe_read(4096 * bpt, 0.038, cached=False)
     choices = [policy.start(n, 1024, bpt, False) for _ in range(3)]
-    assert choices[:2] == [0, 0] and choices[2] > 0  # the third whole read in a row is a split instead
+    assert choices == [0, 0, n]  # the third whole read in a row: every token prefilled, never timed alone
+    policy.observe_prefill(n, 0.120, alone=True)  # dearer than the whole read (~76 ms)
+    choices = [policy.start(n, 1024, bpt, False) for _ in range(3)]
+    assert choices[:2] == [0, 0] and 0 < choices[2] < n  # the next exploration measures a split's head
     policy.observe_prefill(choices[2], 0.027)
-    assert all(policy.start(n, 1024, bpt, False) > 0 for _ in range(5))
+    assert all(0 < policy.start(n, 1024, bpt, False) < n for _ in range(5))
+
+
+def test_a_prefill_of_every_token_is_priced_by_prefills_timed_alone():
+    """An 8k resume on an H100 host: heads prefilled beside their tails' reads took 75-83 ms for 1-2k tokens
+    (the first, 4k, 792 ms), a whole cold read 64 ms, all 8k tokens prefilled alone 35 ms. Priced by the
+    heads' line (66 ms + 8.2 us a token: 134 ms) the prefill lost to the whole read on every resume (0.46x a
+    re-prefill); one exploration times it alone, and from then on the snapshot is left unread."""
+    bpt, n = 12 * 1024, 8192
+    policy = restore.SplitPolicy()
+    for head, sec in ((4096, 0.792), (1024, 0.0749), (1024, 0.0224), (2048, 0.0833)):
+        policy.observe_prefill(head, sec)
+    policy.observe_read(n * bpt, 0.064, cached=False)
+    assert policy.recompute_s(n, policy.prefill_model()) == pytest.approx(0.134, abs=0.002)
+    choices = [policy.start(n, 1024, bpt, False) for _ in range(4)]
+    assert choices == [0, 0, 0, n]  # the fourth whole read in a row: an exploration prefills every token
+    policy.observe_prefill(n, 0.035, alone=True)
+    assert policy.recompute_s(n, policy.prefill_model()) == pytest.approx(0.035)
+    assert policy.recompute_s(6000, policy.prefill_model()) == pytest.approx(0.035 * 6000 / n)  # scaled
+    assert policy.recompute_s(4096, policy.prefill_model()) > 0.1  # 2x smaller: the heads' line again
+    assert [policy.start(n, 1024, bpt, False) for _ in range(3)] == [n] * 3
+    assert 0 < policy.start(n, 1024, bpt, False) < n  # every explore_every-th: a split's head timed again
+    assert policy.start(n, 1024, bpt, False) == n
+    assert policy.start(n, 1024, bpt, True) == 0  # a snapshot in the page cache still reads whole
 
 
 def test_one_slow_head_among_several_does_not_tilt_the_prefill_line():
@@ -343,4 +369,4 @@ def test_a_snapshot_slower_to_read_than_to_recompute_is_left_unread(tiny_policy,
     r = restore.resume(eng, store, policy, "r", tokens, sampled, P)
     assert (r.kv_tokens, r.head_tokens, r.rejected) == (0, 0, restore.RECOMPUTE) and r.prefilled >= covered
     assert _run(eng, "r") == want
-    assert policy.prefills[-1][0] == r.prefilled  # the prefill of all of them is a head it learns from
+    assert policy.alone[-1][0] == r.prefilled  # the prefill of all of them, timed alone, prices the next
