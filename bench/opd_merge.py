@@ -31,13 +31,21 @@ ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "erro
 
 def teachers_of_run(run: Path) -> tuple[Path, dict[str, Path]]:
     """The base and each domain's teacher of a pipeline run directory."""
-    spec = json.loads((run / "specialists" / "manifest.json").read_text())
-    base = Path(json.loads((run / "sft" / "manifest.json").read_text())["outputs"]["base"]["path"])
-    return _in_run(run, base), {d: _in_run(run, Path(o["path"])) for d, o in spec["outputs"].items()}
+    return _outputs(run, "sft")["base"], _outputs(run, "specialists")
+
+
+def _outputs(run: Path, stage: str) -> dict[str, Path]:
+    """A stage manifest's outputs. Manifests marked `"paths": "run_dir"` (deploy.manifest) hold them relative
+    to the run directory (an absolute one stays itself); older ones as given, relative to the directory the
+    pipeline ran in (`runs/NAME/...`)."""
+    doc = json.loads((run / stage / "manifest.json").read_text())
+    if doc.get("paths") == "run_dir":
+        return {name: run / o["path"] for name, o in doc["outputs"].items()}
+    return {name: _in_run(run, Path(o["path"])) for name, o in doc["outputs"].items()}
 
 
 def _in_run(run: Path, path: Path) -> Path:
-    """A manifest's output path, relative to the directory the pipeline ran in (`runs/NAME/...`), found
+    """An older manifest's output path, relative to the directory the pipeline ran in (`runs/NAME/...`), found
     inside `run` when this process runs elsewhere."""
     if path.is_absolute() or path.exists() or run.name not in path.parts:
         return path

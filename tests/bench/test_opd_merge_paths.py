@@ -1,5 +1,6 @@
-"""bench.opd_merge finds a pipeline run's base and teachers from its stage manifests, whose paths are
-relative to the directory the pipeline ran in, also when the bench runs from another directory."""
+"""bench.opd_merge finds a pipeline run's base and teachers from its stage manifests: paths relative to the
+run directory (what the pipeline writes), or, in older manifests, to the directory the pipeline ran in, also
+when the bench runs from another directory."""
 import json
 from pathlib import Path
 
@@ -26,3 +27,20 @@ def test_absolute_manifest_paths_are_kept(tmp_path):
     _manifest(run / "sft", {"base": "/models/base"})
     _manifest(run / "specialists", {"calc": "/models/calc"})
     assert teachers_of_run(run) == (Path("/models/base"), {"calc": Path("/models/calc")})
+
+
+def test_paths_the_pipeline_writes_relative_to_its_run_directory(tmp_path, monkeypatch):
+    from deploy import manifest
+
+    run = tmp_path / "runs" / "seed1"
+    for stage, outputs in (("sft", {"base": run / "sft" / "final"}),
+                           ("specialists", {"arith": run / "specialists" / "arith" / "final"})):
+        for p in outputs.values():
+            p.mkdir(parents=True)
+            (p / "config.json").write_text("{}")
+        manifest.write(run / stage, settings="s", inputs={}, outputs=outputs, wall_s=1.0)
+    assert json.loads((run / "sft" / "manifest.json").read_text())["outputs"]["base"]["path"] == "sft/final"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert teachers_of_run(run) == (run / "sft" / "final", {"arith": run / "specialists" / "arith" / "final"})
