@@ -2,11 +2,15 @@
 
 From a finished pipeline run (its SFT base and specialists) or a base and teachers given directly,
 for every seed, one after another on this machine:
-- `opd`: `postrain opd` with the full-vocabulary reverse KL (the shipped configs/opd.toml);
+- `opd`: `postrain opd` with the full-vocabulary reverse KL (configs/opd.toml);
 - `sampled_token`: the same command with `opd.loss = "sampled_token"` (the per-token estimate as a
   policy-gradient advantage: verl, slime, NeMo-RL's MOPD);
 - `mixed_grpo`: `postrain grpo` over every domain's prompts from the same base (configs/grpo_loop.toml,
   the merge OPD replaces in DeepSeek-V4's recipe).
+With `--settings pipeline` (the default) both OPD runs take the `--set` overrides the pipeline gives its
+merge and mixed GRPO those it gives its specialists (configs/pipeline.toml; per-domain ones left out,
+since a run over every domain applies none), each method as the product runs it; `shipped` runs the
+config files as they are.
 Each run gets `loop.time_budget_s = BUDGET` (counted from its process start) and ends with greedy
 pass@1 on every domain, n = 256. Retention on a domain = the run's pass@1 over that domain's
 teacher's; a method's figure is its minimum over domains, and each target takes the worse seed.
@@ -21,12 +25,22 @@ import os
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from bench._device import cpu_name, emit, run_meta
 
 METHODS = ("opd", "sampled_token", "mixed_grpo")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}
+PIPELINE_TOML = Path(__file__).resolve().parents[1] / "configs" / "pipeline.toml"
+
+
+def pipeline_sets(path: Path = PIPELINE_TOML) -> dict[str, list[str]]:
+    """The --set overrides the pipeline gives its merge (`opd`) and its specialists (`grpo`), the latter
+    without per-domain keys."""
+    doc = tomllib.loads(path.read_text())
+    return {"opd": list(doc["merge"].get("set", [])),
+            "grpo": [x for x in doc["specialists"].get("set", []) if not x.startswith("domain.")]}
 
 
 def teachers_of_run(run: Path) -> tuple[Path, dict[str, Path]]:
@@ -53,16 +67,20 @@ def _in_run(run: Path, path: Path) -> Path:
 
 
 def _last_eval(out: Path, domains: list[str]) -> dict[str, float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' in line]
+    """Pass@1 of what the run leaves in final/: its `final` row where final/ is an average (loop.final = ema),
+    else its last eval (final/ is the last iterate)."""
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("stage") == "final"] or [r for r in rows if r.get("stage") == "eval"]
     last = rows[-1]
     return {d: last[f"eval_pass_at_1_{d}"] for d in domains}
 
 
 def _run(method: str, base: Path, teachers: dict[str, Path], out: Path, budget_s: float, seed: int,
-         n: int) -> dict:
+         n: int, sets: dict[str, list[str]] | None = None) -> dict:
     domains = list(teachers)
-    common = ["--set", f"loop.time_budget_s={budget_s}", "--set", f"loop.seed={seed}", "--set", f"eval.n={n}",
-              "--set", "loop.eval_every=0", "--quiet"]
+    extra = (sets or {}).get("grpo" if method == "mixed_grpo" else "opd", [])
+    common = [*(a for x in extra for a in ("--set", x)), "--set", f"loop.time_budget_s={budget_s}",
+              "--set", f"loop.seed={seed}", "--set", f"eval.n={n}", "--set", "loop.eval_every=0", "--quiet"]
     if method == "mixed_grpo":
         cmd = ["grpo", *(a for d in domains for a in ("--domain", d)), "--init", str(base)]
     else:
@@ -89,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=256, help="eval prompts per domain")
     p.add_argument("--work", type=Path, default=Path("runs/bench-opd-merge"), help="where the runs go")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--settings", choices=["pipeline", "shipped"], default="pipeline",
+                   help="pipeline: each method with the --set overrides the pipeline gives it; shipped: the config files alone")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)
@@ -114,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     for d, path in teachers.items():
         model, tok = load_policy(path)
         teacher_pass[d] = evaluate(model, tok, d, cfg)["pass_at_1"]
+    sets = pipeline_sets() if a.settings == "pipeline" else {}
     runs = []
     for seed in a.seeds:
         for method in a.methods:
-            r = _run(method, base, teachers, a.work / f"{method}-s{seed}", a.budget_s, seed, a.n)
+            r = _run(method, base, teachers, a.work / f"{method}-s{seed}", a.budget_s, seed, a.n, sets)
             r["retention"] = {d: r["pass_at_1"][d] / teacher_pass[d] for d in teachers if teacher_pass[d] > 0}
             r["retention_min"] = min(r["retention"].values())
             runs.append(r)
@@ -133,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 gain = min(by[("opd", s)]["retention_min"] - by[(base_m, s)]["retention_min"] for s in a.seeds)
                 targets[key] = {"value": gain, "goal": ">= 0 (same budget, worse seed)", "met": gain >= 0}
     res = {"benchmark": "opd_merge", "device": cpu_name(), "budget_s": a.budget_s, "seeds": a.seeds, "n": a.n,
+           "settings": a.settings, "sets": sets,
            "base": str(base), "teachers": {d: str(p) for d, p in teachers.items()}, "base_pass_at_1": base_pass,
            "teacher_pass_at_1": teacher_pass, "runs": runs, "wall_s": round(time.monotonic() - t_start, 1),
            "load_avg_1m_end": round(os.getloadavg()[0], 2), "targets": targets}
