@@ -65,18 +65,35 @@ def load(results: Path = RESULTS) -> list[Result]:
     return out
 
 
-def _fmt(value) -> str:
+def _fmt(value, goal=None) -> str:
+    """The value as the tables show it; a float that would print as its goal's threshold without being it
+    (0.96996 against ">= 0.97") keeps the digits that tell them apart."""
     if value is None:
         return "not run"
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
         if value != 0 and (abs(value) >= 1e5 or abs(value) < 1e-3):
-            return f"{value:.3g}"
-        return f"{value:.4g}" if abs(value) < 100 else f"{value:,.1f}"
+            text = f"{value:.3g}"
+        else:
+            text = f"{value:.4g}" if abs(value) < 100 else f"{value:,.1f}"
+        bound = _threshold(goal)
+        digits = 5
+        while bound is not None and value != bound and float(text.replace(",", "")) == bound and digits <= 12:
+            text, digits = f"{value:.{digits}g}", digits + 1
+        return text
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def _threshold(goal) -> float | None:
+    """The number a goal compares with (">= 0.97 (worse seed)" -> 0.97), or None."""
+    m = re.match(r"\s*(?:<=|>=|<|>|==)\s*(-?[0-9.]+(?:e-?[0-9]+)?)", str(goal or ""))
+    try:
+        return float(m.group(1)) if m else None
+    except ValueError:
+        return None
 
 
 def _met(target: dict) -> str:
@@ -111,7 +128,7 @@ def bench_table(results: list[Result], name: str, relative_to: Path) -> str:
             t = t if isinstance(t, dict) else {"value": t}
             if t.get("value") is None:
                 continue  # a target of the other device, not measured in this run
-            lines.append(f"| `{key}` | {_fmt(t.get('value'))} | {t.get('goal', '')} | {_met(t)} | {r.machine} | "
+            lines.append(f"| `{key}` | {_fmt(t.get('value'), t.get('goal'))} | {t.get('goal', '')} | {_met(t)} | {r.machine} | "
                          f"{r.date} | {_link(r, relative_to)} |")
     return "\n".join(lines)
 
@@ -124,7 +141,7 @@ def summary_table(results: list[Result], relative_to: Path) -> str:
         if not measured:
             continue
         met = sum(bool(t.get("met")) for t in measured.values())
-        unmet = ", ".join(f"`{k}` {_fmt(t['value'])} (goal {t.get('goal')})" for k, t in measured.items()
+        unmet = ", ".join(f"`{k}` {_fmt(t['value'], t.get('goal'))} (goal {t.get('goal')})" for k, t in measured.items()
                           if t.get("met") is False) or "—"
         lines.append(f"| {r.name} | {r.machine} | {met} / {len(measured)} | {unmet} | {_link(r, relative_to)} |")
     return "\n".join(lines)
@@ -181,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if r["value"] is None:
             continue
         met = {True: "met", False: "NOT MET", None: "-"}[r["met"]]
-        print(f"{r['benchmark'] + ' / ' + r['target']:<{width}} {_fmt(r['value']):>12}  {str(r['goal'])[:40]:<40}  "
+        print(f"{r['benchmark'] + ' / ' + r['target']:<{width}} {_fmt(r['value'], r['goal']):>12}  {str(r['goal'])[:40]:<40}  "
               f"{met:<8} {r['machine'][:40]}  {r['date']}")
     return 0
 

@@ -39,3 +39,14 @@ def test_a_changed_figure_makes_the_block_stale(tmp_path):
     summary = report.summary_table(report.load(results), tmp_path)
     assert "| toy | test box | 0 / 1 | `speed` 0.5 (goal >= 1) |" in summary
     shutil.rmtree(results)
+
+
+def test_a_value_just_short_of_its_goal_does_not_print_as_the_goal():
+    from bench.report import _fmt
+
+    assert _fmt(0.9699570815450643, ">= 0.97 (worse seed)") == "0.96996"  # one prompt short, not "0.97"
+    assert _fmt(0.97, ">= 0.97 (worse seed)") == "0.97"
+    assert _fmt(0.9699570815450643) == "0.97"  # no goal to tell apart
+    assert _fmt(29.01, "<= 30 (worse of 2 runs)") == "29.01"
+    assert _fmt(2.00004, ">= 2") == "2.00004"
+    assert _fmt(1.99996, ">= 2") == "1.99996"
