@@ -8,23 +8,22 @@ host's virtio disk and re-prefilled in ~180 ms. Reading all of it can then never
 much; reading the tail while recomputing the head can, by up to 2x. The KV of a token depends only on
 the tokens up to it, so the snapshot's KV of the tail is the KV a prefill of the whole would give.
 
-The split point comes from costs this process has measured (`SplitPolicy`): a head's prefill (a fixed
-part and seconds per token, once heads of different sizes were seen; else the lowest rate of the recent
-heads) and seconds per byte read cold. Of the whole read, a split at each block boundary and a prefill of
-every token (the snapshot left unread, priced by such prefills timed alone: heads beside a read run slower)
-it takes the quickest by those costs: a prefill's fixed part (~28 ms for this model on an H100 host,
-whatever the head's size up to 6k tokens) makes a short snapshot read whole, and where a cold read is
-slower than the prefill of all of it (8k tokens there: 72 ms against 35) the tokens are prefilled. Until both are known the first resume splits in the middle, which measures
-both. A snapshot partly in
-the page cache (a split resume read its tails) splits like a cold one, but its read teaches no rate: it
-is neither a cold read nor a warm one (taken for cold, such reads of cached tails halved the cold rate on
-an H100 host, and the next cold resumes split too early). A snapshot in the page cache (written or read
-here moments ago: a preemption resumed by the same worker) reads whole: it reads at memory speed, and
-beside a prefill it read slower than alone (a 32k resume on an H100 host: split 129 ms against 95 ms
-whole). Snapshots of fewer than two blocks, a
-strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
-read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a
-split resume of 256 tokens took 2.9x a whole read: 2.1 against 0.7 ms).
+The split point comes from costs this process has measured (`SplitPolicy`): a head's prefill (a fixed part
+and seconds per token, once heads of different sizes were seen; else the lowest rate of the recent heads)
+and seconds per byte read cold. Of the whole read, a split at each block boundary and a prefill of every
+token (the snapshot left unread, priced by such prefills timed alone: heads beside a read run slower) it
+takes the quickest by those costs: a prefill's fixed part (~28 ms for this model on an H100 host, whatever
+the head's size up to 6k tokens) makes a short snapshot read whole, and where a cold read is slower than the
+prefill of all of it (8k tokens there: 72 ms against 35) the tokens are prefilled. Until both are known the
+first resume splits in the middle, which measures both. A snapshot partly in the page cache (a split resume
+read its tails) splits like a cold one, but its read teaches no rate: it is neither a cold read nor a warm
+one (taken for cold, such reads of cached tails halved the cold rate on an H100 host, and the next cold
+resumes split too early). A snapshot in the page cache (written or read here moments ago: a preemption
+resumed by the same worker) reads whole: it reads at memory speed, and beside a prefill it read slower than
+alone (a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks,
+a strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
+read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a split
+resume of 256 tokens took 2.9x a whole read: 2.1 against 0.7 ms).
 """
 from __future__ import annotations
 
