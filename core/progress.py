@@ -33,7 +33,7 @@ def quiet_library_bars(quiet: bool = False) -> None:
     when `quiet` or stderr is not a terminal, else a run's log fills with them. An explicit
     HF_HUB_DISABLE_PROGRESS_BARS wins. Call it before transformers loads: huggingface_hub reads the variable
     once, at import (processes started later, Ray's workers among them, inherit it)."""
-    if not (quiet or not sys.stderr.isatty()):
+    if not quiet and sys.stderr.isatty():
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     hub = sys.modules.get("huggingface_hub.utils")

@@ -136,8 +136,8 @@ class OPDLoop:
     def _prepare_out(self, resume: bool) -> str:
         """A fresh run (OUT empty but for its lock) records its teachers and identity (deploy/run_records.py)
         in opd_run.json; a resumed one must match both."""
-        from deploy.run_lock import NAME as LOCK_NAME
         from core.atomic import write_atomic
+        from deploy.run_lock import NAME as LOCK_NAME
         from deploy.run_records import check_resume, identity, identity_config, read_record
         from distill.teachers import weights_fingerprint
 

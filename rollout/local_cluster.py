@@ -1,11 +1,11 @@
 """A real multi-node Ray cluster on this machine: a head and N worker nodes, each its own raylet.
 
-For tests, benchmarks and drills (`postrain drill node-loss`): `LocalCluster(workers=2)` starts a head (GCS, dashboard with the job
-API, no CPUs of its own by default, so actors land on the worker nodes) and N worker raylets, all on
-free ports (never Redis' 6379, nor Ray's fixed defaults, which another cluster on the machine may hold).
-`remove_worker(i)` kills one worker node's processes (SIGKILL: a node failure, not a drain); `stop()` kills every process the cluster started, by pid. Nothing here joins
-the cluster: callers use `.address` (GCS, for ray.init / RAY_ADDRESS) or `.dashboard_url` (for
-`ray job submit --address`).
+For tests, benchmarks and drills (`postrain drill node-loss`): `LocalCluster(workers=2)` starts a head (GCS,
+dashboard with the job API, no CPUs of its own by default, so actors land on the worker nodes) and N worker
+raylets, all on free ports (never Redis' 6379, nor Ray's fixed defaults, which another cluster on the
+machine may hold). `remove_worker(i)` kills one worker node's processes (SIGKILL: a node failure, not a
+drain); `stop()` kills every process the cluster started, by pid. Nothing here joins the cluster: callers
+use `.address` (GCS, for ray.init / RAY_ADDRESS) or `.dashboard_url` (for `ray job submit --address`).
 """
 from __future__ import annotations
 
