@@ -22,8 +22,10 @@ P = the matmul parameters (q, k, v, o, gate, up, down of every layer, + the LM h
 embedding is; the embedding lookup, norms and biases are not counted), 6 = forward 2 + backward 4
 FLOPs per parameter and token; the second term is causal attention (QKᵀ and AV, forward + backward,
 the causal half only: PaLM's 12·layers·hidden·len per token, halved). Work we repeat (the LM head's
-recomputed logits) is not counted. Peak = 989.4 TFLOP/s (H200 dense bf16, no sparsity). On CPU the
-tiny config runs in fp32 and the GPU targets are reported as not applicable.
+recomputed logits) is not counted. Peak = 989.4 TFLOP/s (dense bf16, no sparsity: an H200, or an H100
+SXM, whose peak is the same; the targets are named after the H200 and reported on either). On CPU the
+tiny config runs in fp32, and on another GPU the same 0.5B steps run with no peak to divide by: the GPU
+targets are reported as not applicable.
 
     python -m bench.grpo --json [--device auto|cpu|cuda] [--steps 5] [--out bench/results/grpo.json]
 """
@@ -39,7 +41,17 @@ import sys
 import time
 from pathlib import Path
 
-H200_BF16_PEAK_FLOPS = 989.4e12
+HOPPER_SXM_BF16_PEAK_FLOPS = 989.4e12  # H200 and H100 SXM alike, dense
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak of a GPU whose targets this bench reports: an H200 or an H100 SXM (HBM3; not the
+    H100 PCIe or NVL, whose peaks are lower); None for any other device."""
+    if "H200" in device_name:
+        return HOPPER_SXM_BF16_PEAK_FLOPS
+    if "H100" in device_name and "NVL" not in device_name and ("HBM3" in device_name or "SXM" in device_name):
+        return HOPPER_SXM_BF16_PEAK_FLOPS
+    return None
 
 # ~0.5B Qwen2-style (Qwen2.5-0.5B dimensions).
 GPU_MODEL = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
@@ -215,6 +227,7 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
                model=dict(model_cfg, arch="qwen2", param_dtype="float32", compute_dtype="bfloat16" if cuda else "float32",
                          attn_implementation=hf_attn), threads=None if cuda else 1,
                steps_measured=steps, tokens_per_step=step_tokens, seq_len_range=list(len_range), results={})
+    flops_peak = peak_flops(res["device"]) if cuda else None
     base = _build(model_cfg, device, dtype, hf_attn)
     naive_base = _build(model_cfg, device, dtype, "sdpa")  # same seed, same weights
     strong = None
@@ -331,7 +344,7 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
             torch.cuda.empty_cache()
         row["ours"]["model_tflops_per_s"] = flops / row["ours"]["step_s"] / 1e12
         if cuda:
-            row["ours"]["mfu"] = flops / row["ours"]["step_s"] / H200_BF16_PEAK_FLOPS
+            row["ours"]["mfu"] = flops / row["ours"]["step_s"] / flops_peak if flops_peak else None
         tot["ours_tokens"] += tokens
         tot["ours_s"] += row["ours"]["step_s"]
         tot["flops"] += flops
@@ -348,10 +361,9 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
     # against the strong baseline: median step times on both sides, summed over the pack sizes it ran at
     strong_ratio = tot["strong_s"] / tot["strong_ours_s"] if tot["strong_s"] else None
     res["vs_strong_step"] = strong_ratio
-    on_h200 = cuda and "H200" in res["device"]
-    mfu = tot["flops"] / tot["ours_s"] / H200_BF16_PEAK_FLOPS if on_h200 else None
+    mfu = tot["flops"] / tot["ours_s"] / flops_peak if flops_peak else None
     res["mfu"] = mfu
-    if on_h200:
+    if flops_peak:
         res["targets"] = {
             "mfu_h200": dict(value=mfu, goal=">= 0.35", met=bool(mfu >= 0.35)),
             "vs_naive_step_h200": dict(value=ratio, goal=">= 2", met=bool(ratio is not None and ratio >= 2)),
@@ -361,8 +373,9 @@ def run(device_kind: str, steps: int, attn: str | None = None, compile: bool | N
                                         met=bool(strong_ratio is not None and strong_ratio >= 1.2)),
         }
     else:
-        note = ("not an H200 run: the MFU and speed-up targets apply to the ~0.5B bf16 run on an H200 only; "
-                f"this run measured the same steps on {device_kind} with a tiny model")
+        note = ("not an H200 or H100 SXM run: the MFU and speed-up targets apply to the ~0.5B bf16 run on one of "
+                "those only; this run measured " + ("the same steps on " + res["device"] if cuda
+                                                    else "the same steps on the CPU with a tiny model"))
         res["note"] = note
         res["targets"] = {
             "mfu_h200": dict(value=None, goal=">= 0.35", met=None, note=note),

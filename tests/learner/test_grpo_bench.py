@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from bench.grpo import CPU_MODEL, _build, main, make_micro_batches, model_flops, naive_accumulate, pad, padded_reference_loss
+from bench.grpo import (CPU_MODEL, _build, main, make_micro_batches, model_flops, naive_accumulate, pad, padded_reference_loss,
+                        peak_flops)
 from learner.grpo_config import GRPOConfig
 from learner.train_step import Learner, synthetic_packed_batch
 from tests.learner.reference_loss import reference_loss
@@ -54,6 +55,13 @@ def test_workload_and_flops():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989.4e12), ("NVIDIA H100 80GB HBM3", 989.4e12),
+                                        ("NVIDIA H100 SXM5 80GB", 989.4e12), ("NVIDIA H100 PCIe", None),
+                                        ("NVIDIA H100 NVL", None), ("NVIDIA A100-SXM4-80GB", None)])
+def test_the_targets_apply_where_the_peak_is_the_h200s(name, peak):
+    assert peak_flops(name) == peak
+
+
 def test_cpu_bench_json(tmp_path, capsys):
     out = tmp_path / "grpo.json"
     assert main(["--json", "--device", "cpu", "--steps", "1", "--out", str(out)]) == 0
