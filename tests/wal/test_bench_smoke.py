@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 
@@ -18,16 +19,35 @@ def test_bench_wal_smoke(tmp_path):
     for t in out["targets"].values():
         assert set(t) - {"note"} == {"value", "goal", "met"} and t["value"] > 0
     b512 = out["configs"]["b512"]  # the bounds on the SQLite target: the disk's, and the log's own frame written raw
-    assert b512["paired_ratio_floor_vs_sqlite_blob"] > 0 and b512["paired_ratio_raw_prealloc_vs_sqlite_blob"] > 0
-    assert f"{b512['paired_ratio_raw_prealloc_vs_sqlite_blob']}x" in out["targets"]["inproc_vs_sqlite_blob_b512"]["note"]
+    assert b512["paired_ratio_floor_vs_sqlite_blob"] > 0 and b512["paired_ratio_raw_prealloc_vs_sqlite_blob_steady"] > 0
+    blob = out["targets"]["inproc_vs_sqlite_blob_b512"]  # both sides in steady state; the fresh files' ratio beside it
+    assert blob["value"] == b512["paired_ratio_inproc_steady_vs_sqlite_blob_steady"]
+    assert f"{b512['paired_ratio_raw_prealloc_vs_sqlite_blob_steady']}x" in blob["note"]
+    assert f"{b512['paired_ratio_inproc_vs_sqlite_blob']}x" in blob["note"]
     cfg = out["configs"]["b512"]
     assert all(cfg[m]["steps_s"] > 0 for m in ("raw_fsync", "inproc", "sqlite_rows", "sqlite_blob", "inproc_batched", "inproc_step", "inproc_step_steady",
                                               "inproc_step_lists", "raw_prealloc_step_fdatasync", "raw_prealloc_fdatasync",
-                                              "floor_1byte_fdatasync"))
+                                              "floor_1byte_fdatasync", "inproc_steady", "sqlite_blob_steady"))
     assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0 < out["recovery_scan"]["cold_mb_s"]
     assert out["recovery_scan_steps"]["records"] > 0 and out["recovery_scan_steps"]["mb_s"] > 0
     assert all(out["grpc"][f"b512_clients{n}"]["server_cpu_us_per_step"] > 0 for n in (1, 4))
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
+
+
+def test_sqlite_steady_state_inserts_into_pages_it_freed(tmp_path):
+    """The steady SQLite baseline's timed inserts reuse the pages its untimed setup freed: the database
+    does not grow while timed, and only the timed rows are left."""
+    from bench.wal import sqlite_blob_steady
+
+    rate = sqlite_blob_steady(tmp_path, 64, 0.05)
+    con = sqlite3.connect(tmp_path / "blob.db")
+    try:
+        rows = con.execute("SELECT COUNT(*), SUM(traj = 'traj-000001') FROM chunk").fetchone()
+        free = con.execute("PRAGMA freelist_count").fetchone()[0]
+    finally:
+        con.close()
+    assert rate > 0 and rows[0] == rows[1] > 0
+    assert free > 0, "the timed inserts grew the database instead of reusing its free pages"
 
 
 def test_bench_wal_grpc_floor_smoke(tmp_path):
