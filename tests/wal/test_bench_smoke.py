@@ -30,6 +30,9 @@ def test_bench_wal_smoke(tmp_path):
                                               "floor_1byte_fdatasync", "inproc_steady", "sqlite_blob_steady"))
     assert out["grpc"]["b512_clients4"]["tokens_s"] > 0 and out["recovery_scan"]["mb_s"] > 0 < out["recovery_scan"]["cold_mb_s"]
     assert out["recovery_scan_steps"]["records"] > 0 and out["recovery_scan_steps"]["mb_s"] > 0
+    for scan in (out["recovery_scan"], out["recovery_scan_steps"]):  # opens in new processes, and in one beside them
+        assert all(scan[k] > 0 for k in ("cold_mb_s", "mb_s", "cold_mb_s_same_process", "mb_s_same_process", "cpu_mb_s"))
+        assert len(scan["cold_mb_s_runs"]) == len(scan["cold_mb_s_same_process_runs"]) == out["rounds"]
     assert all(out["grpc"][f"b512_clients{n}"]["server_cpu_us_per_step"] > 0 for n in (1, 4))
     assert list(tmp_path.iterdir()) == [], "the benchmark cleans up after itself"
 
@@ -48,6 +51,27 @@ def test_sqlite_steady_state_inserts_into_pages_it_freed(tmp_path):
         con.close()
     assert rate > 0 and rows[0] == rows[1] > 0
     assert free > 0, "the timed inserts grew the database instead of reusing its free pages"
+
+
+def test_a_recovery_open_runs_in_a_new_process_and_checks_what_it_reopened(tmp_path):
+    """The recovery target's open is timed first thing in a new interpreter, and a log that does not hold
+    what was written fails the measurement there and here alike."""
+    import numpy as np
+    import pytest
+
+    import wal
+    from bench.wal import _open_in_new_process, open_timed
+
+    w = wal.open(tmp_path / "log")
+    w.append("t", 0, np.arange(100, dtype=np.int32), -np.ones(100), 0)
+    w.commit()
+    w.close()
+    o = _open_in_new_process(tmp_path / "log", 100)
+    assert o["bytes"] > 100 * 12 and o["s"] > 0 and o["cpu_s"] >= 0
+    with pytest.raises(RuntimeError, match="holds 100 live tokens"):
+        open_timed(tmp_path / "log", 101)
+    with pytest.raises(RuntimeError, match="an open failed in its process"):
+        _open_in_new_process(tmp_path / "log", 101)
 
 
 def test_bench_wal_grpc_floor_smoke(tmp_path):
