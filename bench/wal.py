@@ -449,8 +449,9 @@ def open_timed(path: Path, expect_tokens: int) -> dict:
 
 def _open_in_new_process(path: Path, expect_tokens: int) -> dict:
     """open_timed in a new interpreter, as a recovery runs: first thing in a restarting process. An open
-    after others in one process ran on the memory they freed, at 234-616 MB/s cold on a 2-core Xeon
-    where a new process's first open ran 654-675."""
+    after others in one process runs on whatever memory those freed, faulted in again or not: on a 2-core
+    Xeon such opens read the 128 MB log cold at 234-616 MB/s in one run and 626-808 in the next, where a
+    new process's first open ran 599-675 in both."""
     code = ("import json, sys; from pathlib import Path; from bench import wal; "
             "print(json.dumps(wal.open_timed(Path(sys.argv[1]), int(sys.argv[2]))))")
     res = subprocess.run([sys.executable, "-c", code, str(path), str(expect_tokens)],
