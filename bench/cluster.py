@@ -38,6 +38,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench._args import positive_int
 from bench._device import cpu_name, run_meta
 from rollout.local_cluster import LocalCluster, free_port
 
@@ -281,10 +282,10 @@ def wal_streams(streams: int, procs: int, rounds: int, work: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.cluster", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one compact JSON object (default: indented)")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of the placement and node-loss measurements")
-    ap.add_argument("--streams", type=int, default=256, help="concurrent WAL writer streams")
-    ap.add_argument("--stream-procs", type=int, default=8, help="client processes the streams are spread over")
-    ap.add_argument("--stream-commits", type=int, default=20, help="commits per stream after the barrier")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="rounds of the placement and node-loss measurements")
+    ap.add_argument("--streams", type=positive_int, default=256, help="concurrent WAL writer streams")
+    ap.add_argument("--stream-procs", type=positive_int, default=8, help="client processes the streams are spread over")
+    ap.add_argument("--stream-commits", type=positive_int, default=20, help="commits per stream after the barrier")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     args = ap.parse_args(argv)
 

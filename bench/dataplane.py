@@ -27,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._args import nonneg_int, positive_int
 from bench._device import cpu_name, run_meta
 
 
@@ -364,17 +365,17 @@ CHILDREN = {"gen": child_gen, "measure": child_measure, "take": child_take, "ray
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.dataplane", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one compact JSON object (default: indented)")
-    ap.add_argument("--n", type=int, default=20_000, help="trajectories per dataset")
-    ap.add_argument("--tokens", type=int, default=20_000_000, help="T: tokens of the small dataset (the large has 10x)")
-    ap.add_argument("--max-len", type=int, default=1_000_000, help="longest trajectory, tokens")
-    ap.add_argument("--tokens-per-rank", type=int, default=262_144, help="token budget per rank and minibatch")
-    ap.add_argument("--ranks", type=int, default=4, help="data-parallel ranks planned for")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=15, help="plans timed per size (best is reported)")
-    ap.add_argument("--take-repeats", type=int, default=3, help="full-copy shuffle epochs timed per size (median for the target)")
-    ap.add_argument("--loader-repeats", type=int, default=3, help="plan + loader epochs timed per size (median for the target)")
-    ap.add_argument("--n-1m", type=int, default=1_000_000, help="trajectories catalogued for select + plan")
-    ap.add_argument("--repeats-1m", type=int, default=3, help="select + plan tries per catalog backend (median)")
+    ap.add_argument("--n", type=positive_int, default=20_000, help="trajectories per dataset")
+    ap.add_argument("--tokens", type=positive_int, default=20_000_000, help="T: tokens of the small dataset (the large has 10x)")
+    ap.add_argument("--max-len", type=positive_int, default=1_000_000, help="longest trajectory, tokens")
+    ap.add_argument("--tokens-per-rank", type=positive_int, default=262_144, help="token budget per rank and minibatch")
+    ap.add_argument("--ranks", type=positive_int, default=4, help="data-parallel ranks planned for")
+    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--repeats", type=positive_int, default=15, help="plans timed per size (best is reported)")
+    ap.add_argument("--take-repeats", type=positive_int, default=3, help="full-copy shuffle epochs timed per size (median for the target)")
+    ap.add_argument("--loader-repeats", type=positive_int, default=3, help="plan + loader epochs timed per size (median for the target)")
+    ap.add_argument("--n-1m", type=positive_int, default=1_000_000, help="trajectories catalogued for select + plan")
+    ap.add_argument("--repeats-1m", type=positive_int, default=3, help="select + plan tries per catalog backend (median)")
     ap.add_argument("--pg", default="postgresql://postgres@127.0.0.1:5432/test",
                     help="PostgreSQL for the select + plan measurement ('' to skip)")
     ap.add_argument("--catalog", default="sqlite", help=argparse.SUPPRESS)

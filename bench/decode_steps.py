@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from bench._args import positive_int
 from rollout.sampling import SamplingParams
 
 def _profile(eng, prompts, N) -> list[dict]:
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m bench.decode_steps", description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="256x16x256,64x128x256", help="BxPxN, comma-separated")
-    ap.add_argument("--chunk", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk", type=positive_int, default=16)
+    ap.add_argument("--reps", type=positive_int, default=3)
     ap.add_argument("--modes", default="static,chunk,chunk_compiled")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--forced", action="store_true", help="logit error of each mode along a forced continuation")

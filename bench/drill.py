@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._args import nonneg_int, positive_int
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["policy.hidden_size=64", "policy.num_layers=2", "policy.intermediate_size=128", "sft.threads=1",
         "sft.lr=3e-3", "sft.batch_size=32", "sft.warmup_steps=20", "sft.seed=0", "policy.seed=0"]
@@ -88,10 +90,10 @@ def targets(report: dict, grpo: dict | None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.drill", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one compact JSON object")
-    ap.add_argument("--trials", type=int, default=None, help="faults per drill (default: each drill's own)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--grpo-iterations", type=int, default=8, help="GRPO iterations on each side (0: skip)")
-    ap.add_argument("--sft-steps", type=int, default=300, help="SFT steps of the tiny GRPO base")
+    ap.add_argument("--trials", type=positive_int, default=None, help="faults per drill (default: each drill's own)")
+    ap.add_argument("--seed", type=nonneg_int, default=0)
+    ap.add_argument("--grpo-iterations", type=nonneg_int, default=8, help="GRPO iterations on each side (0: skip)")
+    ap.add_argument("--sft-steps", type=positive_int, default=300, help="SFT steps of the tiny GRPO base")
     ap.add_argument("--work", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     ap.add_argument("--png", default=None, help="also copy the drill timeline (drill.png) to this file")

@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench._args import positive_int
+
 HOPPER_SXM_BF16_PEAK_FLOPS = 989.4e12  # H200 and H100 SXM alike, dense
 
 
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="postrain bench grpo", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as one JSON object (default)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto = cuda when available")
-    p.add_argument("--steps", type=int, default=5, help="measured optimizer steps per pack size and side (best of)")
+    p.add_argument("--steps", type=positive_int, default=5, help="measured optimizer steps per pack size and side (best of)")
     p.add_argument("--attn", choices=["auto", "varlen", "sdpa_docs", "hf:sdpa", "hf:flash_attention_2",
                                       "hf:flex_attention", "hf:eager"],
                    help="attention of the packed step: auto (flash varlen on GPU, the model's sdpa with a "
@@ -397,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                         "naive step always uses sdpa with padding")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile each decoder layer of the packed step (default: on GPU)")
-    p.add_argument("--micro-batch-tokens", type=int, help="token budget of one micro-batch of the packed step "
+    p.add_argument("--micro-batch-tokens", type=positive_int, help="token budget of one micro-batch of the packed step "
                    "(default: twice the largest pack on GPU, the largest pack on CPU)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)

@@ -39,6 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._args import positive_float
 from bench.grpo_iteration import DOMAIN, ROOT, TINY_MODEL, device_sets
 from bench.trl_grpo import train_prompts
 
@@ -193,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.grpo_curve_h200", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
     p.add_argument("--tiny", action="store_true", help="the toy shape on the CPU (a check of the code path)")
-    p.add_argument("--budget-s", type=float, default=120.0, help="wall budget per side, from its process launch")
-    p.add_argument("--every-s", type=float, default=20.0, help="snapshot period")
-    p.add_argument("--lr", type=float, default=LR, help="optim.lr on both sides")
+    p.add_argument("--budget-s", type=positive_float, default=120.0, help="wall budget per side, from its process launch")
+    p.add_argument("--every-s", type=positive_float, default=20.0, help="snapshot period")
+    p.add_argument("--lr", type=positive_float, default=LR, help="optim.lr on both sides")
     p.add_argument("--work", help="scratch directory (default: a temporary one)")
     p.add_argument("--out", help="write the JSON here (after every stage)")
     p.add_argument("--commit", help="the commit measured, where the tree is no git checkout")

@@ -49,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench._args import nonneg_int, positive_float, positive_int
 from bench.trl_grpo import train_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,11 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.grpo_iteration", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the whole result as JSON")
     p.add_argument("--tiny", action="store_true", help="the toy shape (a CPU check of the code path)")
-    p.add_argument("--iterations", type=int, default=4, help="iterations per side, warm-up included")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
+    p.add_argument("--iterations", type=positive_int, default=4, help="iterations per side, warm-up included")
+    p.add_argument("--warmup", type=nonneg_int, default=1, help="untimed iterations first")
     p.add_argument("--trl-variants", default=",".join(TRL_VARIANTS), help="TRL generation settings to measure")
     p.add_argument("--sides", default="ours,trl", help="which sides run")
-    p.add_argument("--part-timeout-s", type=float, default=None, help="longest one side's process may run")
+    p.add_argument("--part-timeout-s", type=positive_float, default=None, help="longest one side's process may run")
     p.add_argument("--work", help="scratch directory (default: a temporary one)")
     p.add_argument("--out", help="write the JSON here (after each side, so a cut-short run keeps what it measured)")
     p.add_argument("--part", help=argparse.SUPPRESS)  # one TRL variant, in a process of its own

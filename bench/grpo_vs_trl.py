@@ -37,6 +37,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench._args import nonneg_ints, positive_float
+
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_BUDGET_S = 420.0
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
@@ -193,9 +195,9 @@ def targets(ratios: dict, runs: list[dict], budget_s: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="postrain bench grpo-vs-trl", description=__doc__.split("\n")[0])
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--budget-s", type=float, default=TARGET_BUDGET_S, help="wall budget of each side and run")
-    p.add_argument("--snapshot-every-s", type=float, default=30.0, help="matched-time period (TRL snapshots)")
-    p.add_argument("--seeds", default="0,1", help="comma-separated seeds")
+    p.add_argument("--budget-s", type=positive_float, default=TARGET_BUDGET_S, help="wall budget of each side and run")
+    p.add_argument("--snapshot-every-s", type=positive_float, default=30.0, help="matched-time period (TRL snapshots)")
+    p.add_argument("--seeds", type=nonneg_ints, default="0,1", help="comma-separated seeds")
     p.add_argument("--domains", default="arith,reverse", help="comma-separated domains")
     p.add_argument("--init", help="base checkpoint (default: built with postrain sft, configs/job.toml, 900 steps, "
                                   "seed 1)")
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     init = Path(args.init) if args.init else make_base(work)
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = args.seeds
     domains = args.domains.split(",")
     sides = args.sides.split(",")
     runs = []

@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench._args import positive_int
 from bench._device import cpu_name, emit, run_meta
 
 SHAPE_GPU = {"V": 129_280, "H": 4_096, "teachers": 4, "minibatches": 4, "tokens": 16_384, "row": 512,
@@ -332,7 +333,7 @@ def run(rounds: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="postrain bench opd", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds per side (median)")
+    p.add_argument("--rounds", type=positive_int, default=3, help="timed rounds per side (median)")
     p.add_argument("--out", type=Path, help="also write the JSON here")
     a = p.parse_args(argv)
     res = run(max(1, a.rounds))

@@ -28,6 +28,7 @@ import time
 import tomllib
 from pathlib import Path
 
+from bench._args import nonneg_int, positive_float, positive_int
 from bench._device import cpu_name, emit, run_meta
 
 METHODS = ("opd", "sampled_token", "mixed_grpo")
@@ -102,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run", type=Path, help="a finished `postrain pipeline` run directory (its base and teachers)")
     p.add_argument("--base", type=Path, help="the SFT base (instead of --run)")
     p.add_argument("--teacher", action="append", default=[], metavar="DOMAIN=DIR", help="instead of --run")
-    p.add_argument("--budget-s", type=float, default=600.0, help="wall budget of every run")
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="loop seeds (every method runs each)")
-    p.add_argument("--n", type=int, default=256, help="eval prompts per domain")
+    p.add_argument("--budget-s", type=positive_float, default=600.0, help="wall budget of every run")
+    p.add_argument("--seeds", type=nonneg_int, nargs="+", default=[0, 1], help="loop seeds (every method runs each)")
+    p.add_argument("--n", type=positive_int, default=256, help="eval prompts per domain")
     p.add_argument("--work", type=Path, default=Path("runs/bench-opd-merge"), help="where the runs go")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--settings", choices=["pipeline", "shipped"], default="pipeline",

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench._args import positive_int
 from bench._device import cpu_name as device
 from bench._device import run_meta
 from bench._power_loss import canaries as canary_defs
@@ -63,9 +64,9 @@ def run_canary(c, say) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print the result as JSON (progress goes to stderr)")
-    ap.add_argument("--cuts", type=int, default=10_000, help="crash images to check across the five cases")
-    ap.add_argument("--ab-rounds", type=int, default=20, help="rounds of the WAL step A/B (fresh processes and logs)")
-    ap.add_argument("--ab-chunks", type=int, default=30, help="timed chunk pairs per A/B round")
+    ap.add_argument("--cuts", type=positive_int, default=10_000, help="crash images to check across the five cases")
+    ap.add_argument("--ab-rounds", type=positive_int, default=20, help="rounds of the WAL step A/B (fresh processes and logs)")
+    ap.add_argument("--ab-chunks", type=positive_int, default=30, help="timed chunk pairs per A/B round")
     ap.add_argument("--no-extra-canaries", action="store_true", help="skip the canaries that are not targets")
     ap.add_argument("--out", default=str(RESULTS), help="write the JSON here too ('-' for nowhere)")
     args = ap.parse_args(argv)

@@ -528,6 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the JSON here")
     ap.add_argument("--scratch", help="directory for WAL and snapshot files (default: a temp dir; use a disk, not tmpfs)")
     args = ap.parse_args(argv)
+    parts = tuple(x for x in args.parts.split(",") if x)
+    if not parts or set(parts) - set(PARTS):
+        ap.error(f"--parts {args.parts!r}: choose from {','.join(PARTS)}")
     scratch_ctx = tempfile.TemporaryDirectory() if not args.scratch else None
     scratch = Path(args.scratch or scratch_ctx.name)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -535,15 +538,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.gpu_only:
         res["cpu"] = run_cpu(args.quick, scratch / "cpu")
     gpu_note = "not run: no CUDA device in this run (see bench/results/rollout_h200.json when present)"
-    parts = PARTS
     if torch.cuda.is_available():
         def save_partial(gpu_part):  # a run cut short still leaves what it measured
             if args.out:
                 Path(args.out).write_text(json.dumps({**res, "gpu": gpu_part, "partial": True}, indent=2) + "\n")
 
-        parts = tuple(x for x in args.parts.split(",") if x)
-        if not parts or set(parts) - set(PARTS):
-            ap.error(f"--parts: choose from {','.join(PARTS)}")
         res["gpu"] = run_gpu(args.quick, scratch / "gpu", on_progress=save_partial, parts=parts)
         res["device"] = f"{res['gpu']['gpu']} + {cpu_name()}" + ("" if args.gpu_only else " (CPU part: 2 threads)")
         gpu_note = None

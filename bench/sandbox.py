@@ -31,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench._args import positive_int
 from bench._device import cpu_name, run_meta
 
 TOKEN = "sandbox-bench-token"
@@ -227,10 +228,10 @@ def service(calls_1: int, calls_8: int, rounds: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.sandbox", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print one compact JSON object (default: indented)")
-    ap.add_argument("--pairs", type=int, default=60, help="sandboxed/bare pairs per mode (cold, warm)")
-    ap.add_argument("--calls-1", type=int, default=120, help="service calls per variant with 1 client")
-    ap.add_argument("--calls-8", type=int, default=320, help="service calls per variant with 8 clients")
-    ap.add_argument("--rounds", type=int, default=2, help="alternating rounds per service variant")
+    ap.add_argument("--pairs", type=positive_int, default=60, help="sandboxed/bare pairs per mode (cold, warm)")
+    ap.add_argument("--calls-1", type=positive_int, default=120, help="service calls per variant with 1 client")
+    ap.add_argument("--calls-8", type=positive_int, default=320, help="service calls per variant with 8 clients")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="alternating rounds per service variant")
     ap.add_argument("--out", default=None, help="also write the JSON to this file")
     args = ap.parse_args(argv)
 

@@ -40,6 +40,7 @@ import numpy as np
 import wal
 from wal import codec
 
+from bench._args import positive_float, positive_int, positive_ints  # noqa: E402
 from bench._device import cpu_name as device, run_meta  # noqa: E402
 from bench._device import drop_page_cache, process_cpu_s  # noqa: E402
 
@@ -540,13 +541,16 @@ def _fresh(fn, root: Path, b: int, seconds: float) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.wal", description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--seconds", type=float, default=0.6, help="seconds per measurement")
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved repetitions (median reported)")
-    ap.add_argument("--scan-mb", type=int, default=128, help="size of the log for the recovery scan")
-    ap.add_argument("--bs", default="1,64,512", help="comma-separated tokens per step (64 and 512 are needed for the targets)")
+    ap.add_argument("--seconds", type=positive_float, default=0.6, help="seconds per measurement")
+    ap.add_argument("--rounds", type=positive_int, default=5, help="interleaved repetitions (median reported)")
+    ap.add_argument("--scan-mb", type=positive_int, default=128, help="size of the log for the recovery scan")
+    ap.add_argument("--bs", type=positive_ints, default="1,64,512",
+                    help="comma-separated tokens per step; 64 and 512 among them (the targets' widths)")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir under /tmp)")
     ap.add_argument("--out", default=None, help="also write the JSON here")
     args = ap.parse_args(argv)
+    if not {64, 512} <= set(args.bs):
+        ap.error(f"--bs {','.join(map(str, args.bs))}: the targets need 64 and 512 among the widths")
     root = Path(tempfile.mkdtemp(prefix="wal-bench-", dir=args.dir))
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
     result: dict = {"benchmark": "wal", "device": device(), "directory": str(root),
@@ -564,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
                       "inproc_step_steady": inproc_step_steady, "inproc_steady": inproc_steady,
                       "sqlite_blob_steady": sqlite_blob_steady,
                       "inproc_step_lists": inproc_step_lists, "inproc_batched": inproc_batched}
-        bs = [int(x) for x in args.bs.split(",")]
+        bs = args.bs
         for b in bs:
             runs: dict[str, list[float]] = {m: [] for m in modes}
             for r in range(args.rounds):

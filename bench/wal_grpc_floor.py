@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from bench._args import positive_float, positive_int
 from bench._device import cpu_name as device, run_meta
 from bench._device import process_cpu_s as _cpu_s
 
@@ -137,10 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.wal_grpc_floor", description=__doc__.splitlines()[0])
     ap.add_argument("--serve", choices=("echo", "fdatasync"), help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
-    ap.add_argument("--bytes", type=int, default=6200, help="request size (a B=512 step: 512 x (4 + 8) bytes + ids)")
-    ap.add_argument("--seconds", type=float, default=1.0)
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--wal-wall-us", type=float, default=None,
+    ap.add_argument("--bytes", type=positive_int, default=6200, help="request size (a B=512 step: 512 x (4 + 8) bytes + ids)")
+    ap.add_argument("--seconds", type=positive_float, default=1.0)
+    ap.add_argument("--rounds", type=positive_int, default=4)
+    ap.add_argument("--wal-wall-us", type=positive_float, default=None,
                     help="wall time of one WAL client's step (µs) from bench.wal, for the bound")
     ap.add_argument("--dir", default=None, help="where the fdatasync server writes (default: a temp dir under /tmp)")
     ap.add_argument("--out", default=None)

@@ -1,0 +1,57 @@
+"""argparse types the benchmarks' command lines share: a count, a duration or a list that cannot
+describe a measurement (0 rounds, a negative budget, a batch of 0) is refused when the command is
+parsed, with the option's name, not minutes later as a statistics or database error."""
+from __future__ import annotations
+
+import argparse
+
+
+def positive_int(text: str) -> int:
+    n = _int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return n
+
+
+def nonneg_int(text: str) -> int:
+    n = _int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {text!r}")
+    return n
+
+
+def positive_float(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not x > 0 or x == float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return x
+
+
+def positive_ints(text: str) -> list[int]:
+    """Comma-separated whole numbers >= 1, at least one, none repeated."""
+    return _ints(text, positive_int)
+
+
+def nonneg_ints(text: str) -> list[int]:
+    """Comma-separated whole numbers >= 0 (seeds), at least one, none repeated."""
+    return _ints(text, nonneg_int)
+
+
+def _ints(text: str, each) -> list[int]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must list at least one whole number, got {text!r}")
+    out = [each(t) for t in items]
+    if len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"lists a number twice: {text!r}")
+    return out
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
