@@ -20,8 +20,9 @@ read its tails) splits like a cold one, but its read teaches no rate: it is neit
 one (taken for cold, such reads of cached tails halved the cold rate on an H100 host, and the next cold
 resumes split too early). A snapshot in the page cache (written or read here moments ago: a preemption
 resumed by the same worker) reads whole: it reads at memory speed, and beside a prefill it read slower than
-alone (a 32k resume on an H100 host: split 129 ms against 95 ms whole). Snapshots of fewer than two blocks,
-a strict engine, `enabled=False` and an engine on the CPU read whole too: on the CPU the prefill and the
+alone (a 32k resume on an H100 host: split 129 ms against 95 ms whole). A snapshot of fewer than two blocks
+cannot split: it is read whole, or left unread where prefills of about its size timed alone were quicker.
+A strict engine, `enabled=False` and an engine on the CPU read whole: on the CPU the prefill and the
 read share the same cores, so neither gets faster by running beside the other (on a 2-core machine a split
 resume of 256 tokens took 2.9x a whole read: 2.1 against 0.7 ms).
 """
@@ -138,9 +139,12 @@ class SplitPolicy:
         whole read, the split at each block boundary (a split takes the longer of its head's prefill and its
         tail's read) and a prefill of every token, the one the measured costs say is quickest (the earliest of
         equals: reading is what the snapshot is for). A split's tail keeps at least one block. A cached
-        snapshot reads whole unless `split_cached`; with nothing measured yet, the split is in the middle."""
-        if not self.enabled or block < 1 or token_count < 2 * block or (cached and not self.split_cached):
+        snapshot reads whole unless `split_cached`; with nothing measured yet, the split is in the middle.
+        A snapshot under two blocks cannot split: it is read whole or left unread (`_unsplittable`)."""
+        if not self.enabled or block < 1 or (cached and not self.split_cached):
             return 0
+        if token_count < 2 * block:
+            return self._unsplittable(token_count, bytes_per_token, cached)
         last = (token_count - 1) // block * block
         model, r = self.prefill_model(), self.read_s_per_byte[cached]
         if model is None or r is None:
@@ -168,6 +172,23 @@ class SplitPolicy:
                 return token_count
             self._explored_alone = False
         return min(range(block, last + 1, block), key=seconds)
+
+
+    def _unsplittable(self, token_count: int, bytes_per_token: int, cached: bool) -> int:
+        """start() for a snapshot under two blocks: the whole read, or every token prefilled where prefills of
+        about this size timed alone were quicker than reading it (2k tokens on an H100 host: a cold read 16.7
+        ms, a prefill 15.0). Without those, after `explore_every` whole reads in a row one prefills every
+        token, until two of about this size are timed."""
+        r = self.read_s_per_byte[cached]
+        with self._lock:
+            near = self._alone_near(token_count)
+            if r is not None and near:
+                return token_count if min(s * token_count / t for t, s in near) < r * bytes_per_token * token_count else 0
+            self._unsplit += 1
+            if self._unsplit < self.explore_every or len(near) >= 2 or token_count < 1:
+                return 0
+            self._unsplit = 0
+        return token_count
 
 
 _tail_reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-tail")

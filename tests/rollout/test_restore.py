@@ -335,6 +335,26 @@ def test_a_prefill_of_every_token_is_priced_by_prefills_timed_alone():
     assert policy.start(n, 1024, bpt, True) == 0  # a snapshot in the page cache still reads whole
 
 
+def test_a_snapshot_under_two_blocks_is_read_or_left_unread_by_the_measured_costs():
+    """A 2k resume on an H100 host: its snapshot covers 2,047 tokens, under two blocks, so it cannot split;
+    it was read whole at 16.7 ms cold where a prefill of every token took 15.0. After `explore_every` whole
+    reads one prefills every token, and from then on the quicker of the two is taken; on a host where the
+    prefill took 31.5 ms the snapshot is read again."""
+    bpt, n = 12 * 1024, 2047
+    policy = restore.SplitPolicy()
+    choices = [policy.start(n, 1024, bpt, False) for _ in range(4)]
+    assert choices == [0, 0, 0, n]  # nothing timed alone: the fourth whole read in a row explores
+    policy.observe_read(n * bpt, 0.0167, cached=False)
+    policy.observe_prefill(n, 0.0150, alone=True)
+    assert [policy.start(n, 1024, bpt, False) for _ in range(6)] == [n] * 6
+    assert policy.start(n, 1024, bpt, True) == 0  # in the page cache: read whole
+    slow = restore.SplitPolicy()
+    slow.observe_read(n * bpt, 0.0167, cached=False)
+    slow.observe_prefill(n, 0.0315, alone=True)
+    assert [slow.start(n, 1024, bpt, False) for _ in range(6)] == [0] * 6
+    assert [restore.SplitPolicy(enabled=False).start(n, 1024, bpt, False) for _ in range(6)] == [0] * 6
+
+
 def test_one_slow_head_among_several_does_not_tilt_the_prefill_line():
     """Heads of 1-2k tokens that took 28-31 ms (a prefill's fixed part on an H100 host) and a first 4k head
     that took 150 ms of one-time costs: the least-squares line through them has a negative fixed part (no line
