@@ -38,8 +38,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench._args import positive_int
 from bench._device import cpu_name, run_meta
+from core.cli_args import positive_int
 from rollout.local_cluster import LocalCluster, free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._args import nonneg_int, positive_int
 from bench._device import cpu_name, run_meta
+from core.cli_args import nonneg_int, positive_int
 
 
 def _status_mb(key: str) -> float:

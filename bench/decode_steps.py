@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench._args import positive_int
+from core.cli_args import positive_int
 from rollout.sampling import SamplingParams
 
 def _profile(eng, prompts, N) -> list[dict]:

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._args import nonneg_int, positive_int
+from core.cli_args import nonneg_int, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["policy.hidden_size=64", "policy.num_layers=2", "policy.intermediate_size=128", "sft.threads=1",

@@ -41,7 +41,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench._args import positive_int
+from core.cli_args import positive_int
 
 HOPPER_SXM_BF16_PEAK_FLOPS = 989.4e12  # H200 and H100 SXM alike, dense
 

@@ -39,9 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._args import positive_float
 from bench.grpo_iteration import DOMAIN, ROOT, TINY_MODEL, device_sets
 from bench.trl_grpo import train_prompts
+from core.cli_args import positive_float
 
 SHAPE = {"prompts": 32, "group": 8, "max_new_tokens": 48}  # the shipped loop's iteration
 # optim.lr on both sides: the shipped 5e-5 (tuned on the 128-wide default policy) scaled by 128/896 for

@@ -49,8 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench._args import nonneg_int, positive_float, positive_int
 from bench.trl_grpo import train_prompts
+from core.cli_args import nonneg_int, positive_float, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 DOMAIN = "arith"

@@ -37,7 +37,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench._args import nonneg_ints, positive_float
+from core.cli_args import nonneg_ints, positive_float
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET_BUDGET_S = 420.0

@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench._args import positive_int
 from bench._device import cpu_name, emit, run_meta
+from core.cli_args import positive_int
 
 SHAPE_GPU = {"V": 129_280, "H": 4_096, "teachers": 4, "minibatches": 4, "tokens": 16_384, "row": 512,
              "trunk_layers": 4, "intermediate": 12_288, "attention_heads": 32, "kv_heads": 8}

@@ -28,8 +28,8 @@ import time
 import tomllib
 from pathlib import Path
 
-from bench._args import nonneg_int, positive_float, positive_int
 from bench._device import cpu_name, emit, run_meta
+from core.cli_args import nonneg_int, positive_float, positive_int
 
 METHODS = ("opd", "sampled_token", "mixed_grpo")
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error"}

@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench._args import positive_int
 from bench._device import cpu_name as device
 from bench._device import run_meta
 from bench._power_loss import canaries as canary_defs
 from bench._power_loss import step_ab
 from bench._power_loss.cases import CASES, make_case, run_default
 from bench._power_loss.trials import KINDS, Outcome, run_trial
+from core.cli_args import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "power_loss.json"

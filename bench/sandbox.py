@@ -31,8 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench._args import positive_int
 from bench._device import cpu_name, run_meta
+from core.cli_args import positive_int
 
 TOKEN = "sandbox-bench-token"
 SLOT = 200  # execution uid of the in-process measurements, far above the service's slots

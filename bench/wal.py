@@ -40,9 +40,9 @@ import numpy as np
 import wal
 from wal import codec
 
-from bench._args import positive_float, positive_int, positive_ints  # noqa: E402
 from bench._device import cpu_name as device, run_meta  # noqa: E402
 from bench._device import drop_page_cache, process_cpu_s  # noqa: E402
+from core.cli_args import positive_float, positive_int, positive_ints  # noqa: E402
 
 
 def _step_arrays(b: int):

@@ -29,9 +29,9 @@ import sys
 import tempfile
 import time
 
-from bench._args import positive_float, positive_int
 from bench._device import cpu_name as device, run_meta
 from bench._device import process_cpu_s as _cpu_s
+from core.cli_args import positive_float, positive_int
 
 METHOD = "/floor.Echo/Stream"
 ACK = b"\x08\x01\x10\x02" + b"\x00" * 12  # 16 bytes, like an AppendAck

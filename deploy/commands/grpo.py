@@ -1,4 +1,5 @@
 """`postrain grpo`: specialist GRPO on one domain from an SFT checkpoint (rollouts may be preempted underneath)."""
+from core.cli_args import nonneg_int, positive_int
 from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "grpo"
@@ -11,12 +12,12 @@ def add_arguments(p):
                         "(their prompts in equal shares; per-domain config tables are then not applied)")
     p.add_argument("--init", required=True, help="checkpoint to start from: an HF checkpoint directory or a run directory "
                    "holding one as final/ (a path or a pyarrow.fs URI)")
-    p.add_argument("--iterations", type=int, required=True, help="GRPO iterations in total (a resumed run counts the done ones)")
+    p.add_argument("--iterations", type=positive_int, required=True, help="GRPO iterations in total (a resumed run counts the done ones)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, grpo.png, checkpoints/, final/; a path or "
                    "a pyarrow.fs URI (file:///abs/dir, s3://bucket/prefix, gs://..., hdfs://...)")
-    p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
+    p.add_argument("--chaos", type=nonneg_int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
-    p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed "
+    p.add_argument("--stop-after", type=positive_int, metavar="K", help="leave once K iterations are done and checkpointed "
                    "(as a preempted job would; one-step-off rollouts of K+1 are already in the data plane); continue with --resume")
     p.add_argument("--keep-data", action="store_true", help="keep every batch's trajectories and shards, every checkpoint "
                    "and earlier starts' WALs (default: reclaimed once a durable checkpoint covers them, see loop.keep_*)")
@@ -32,6 +33,7 @@ def run(args) -> int:
 
     import rewards
     from core.errors import UserError
+    from core.hf import resolve_checkpoint
     from deploy.cluster import ClusterRun
 
     try:
@@ -61,6 +63,7 @@ def run(args) -> int:
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
     storage.prepare(args.resume, catalog=cfg.loop.catalog)
     init = local_checkpoint(args.init)
+    resolve_checkpoint(init)  # a missing or wrong checkpoint fails here, not after Ray has started
     cluster.start(cfg)
     try:
         summary = run_grpo(cfg, domain, init, storage.local, args.iterations, chaos_seed=args.chaos,

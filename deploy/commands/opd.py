@@ -1,4 +1,5 @@
 """`postrain opd`: multi-teacher on-policy distillation that merges specialists into one student."""
+from core.cli_args import nonneg_int, positive_int
 from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "opd"
@@ -11,12 +12,12 @@ def add_arguments(p):
     p.add_argument("--teacher", action="append", default=[], metavar="DOMAIN[:WEIGHT]=DIR",
                    help="the teacher of a domain (repeatable; several per domain with weights; DIR as --student); "
                         "adds to [opd.teachers]")
-    p.add_argument("--iterations", type=int, required=True, help="OPD iterations in total (a resumed run counts the done ones)")
+    p.add_argument("--iterations", type=positive_int, required=True, help="OPD iterations in total (a resumed run counts the done ones)")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl, opd.png, checkpoints/, final/; a path or "
                    "a pyarrow.fs URI (file:///abs/dir, s3://bucket/prefix, gs://..., hdfs://...)")
-    p.add_argument("--chaos", type=int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
+    p.add_argument("--chaos", type=nonneg_int, metavar="SEED", help="preempt and kill rollout workers on a schedule drawn from SEED")
     p.add_argument("--resume", action="store_true", help="continue the run in OUT from its latest checkpoint")
-    p.add_argument("--stop-after", type=int, metavar="K", help="leave once K iterations are done and checkpointed")
+    p.add_argument("--stop-after", type=positive_int, metavar="K", help="leave once K iterations are done and checkpointed")
     p.add_argument("--json", action="store_true", help="print the run summary as JSON")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     add_config_args(p)
@@ -32,6 +33,8 @@ def run(args) -> int:
     from deploy.opd_loop import run_opd
     from distill.teachers import parse_teacher_arg, table_entries
 
+    from core.hf import resolve_checkpoint
+    from dataplane.remote import is_uri
     from deploy.cluster import ClusterRun
     from deploy.run_storage import RunStorage
 
@@ -46,6 +49,9 @@ def run(args) -> int:
         teacher_paths = [p for _, p, _ in table_entries(cfg.opd.teachers) + teachers]
         check(cluster, cfg, cfg.loop.catalog, checkpoint=[args.student, *teacher_paths])
         return 0
+    for path in [args.student, *(p for _, p, _ in table_entries(cfg.opd.teachers) + teachers)]:
+        if not is_uri(str(path)):
+            resolve_checkpoint(path)  # a missing or wrong checkpoint fails here, not after Ray has started
     storage.prepare(args.resume, catalog=cfg.loop.catalog)
     cluster.start(cfg)
     try:

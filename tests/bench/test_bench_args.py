@@ -8,7 +8,7 @@ import importlib
 
 import pytest
 
-from bench._args import nonneg_ints, positive_float, positive_int, positive_ints
+from core.cli_args import nonneg_ints, positive_float, positive_int, positive_ints
 
 BAD = [
     ("bench.wal", ["--rounds", "0"], "--rounds"),

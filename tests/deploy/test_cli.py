@@ -61,6 +61,11 @@ def test_json_stdout_carries_the_report_alone():
     (["eval", "--checkpoint", "{tmp}"], "neither"),
     (["sft", "--out", "{tmp}/x", "--config", "{tmp}/none.toml"], "config file not found"),
     (["bench", "nope"], "unknown benchmark 'nope'"),
+    # a missing checkpoint is named before Ray is joined (an unreachable address would be the error otherwise)
+    (["grpo", "--domain", "calc", "--init", "{tmp}/missing", "--iterations", "3", "--out", "{tmp}/g",
+      "--ray-address", "127.0.0.1:1"], "missing: no such directory"),
+    (["opd", "--student", "{tmp}/missing", "--iterations", "3", "--out", "{tmp}/o", "--ray-address", "127.0.0.1:1"],
+     "missing: no such directory"),
 ])
 def test_errors_are_one_clear_line(tmp_path, args, needle):
     res = postrain(*[a.format(tmp=tmp_path) for a in args], check=False)
@@ -87,6 +92,17 @@ def test_bad_files_and_values_are_one_clear_line(tmp_path, args, needle):
     res = postrain(*[a.format(tmp=tmp_path) for a in args], check=False)
     lines = [line for line in res.stderr.splitlines() if line.strip() and "Warning" not in line]
     assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["grpo", "--domain", "calc", "--init", "x", "--out", "x", "--iterations", "0"], "--iterations: must be a whole number >= 1"),
+    (["grpo", "--domain", "calc", "--init", "x", "--out", "x", "--iterations", "3", "--stop-after", "0"], "--stop-after"),
+    (["opd", "--student", "x", "--out", "x", "--iterations", "-2"], "--iterations: must be a whole number >= 1"),
+    (["opd", "--student", "x", "--out", "x", "--iterations", "3", "--chaos", "-1"], "--chaos: must be a whole number >= 0"),
+])
+def test_counts_that_describe_no_run_are_refused_when_parsed(args, needle):
+    res = postrain(*args, check=False, timeout=60)
+    assert res.returncode == 2 and needle in res.stderr.splitlines()[-1], res.stderr
 
 
 def test_debug_shows_traceback(tmp_path):

@@ -1,6 +1,7 @@
-"""argparse types the benchmarks' command lines share: a count, a duration or a list that cannot
-describe a measurement (0 rounds, a negative budget, a batch of 0) is refused when the command is
-parsed, with the option's name, not minutes later as a statistics or database error."""
+"""argparse types the command lines share: a count, a duration or a list that cannot describe the work
+asked for (0 iterations, 0 rounds, a negative budget, a batch of 0) is refused when the command is
+parsed, with the option's name, not after a Ray cluster started or minutes later as a statistics or
+database error."""
 from __future__ import annotations
 
 import argparse
