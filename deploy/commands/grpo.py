@@ -61,9 +61,9 @@ def run(args) -> int:
     if args.keep_data:
         cfg.loop.keep_data = True
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
-    storage.prepare(args.resume, catalog=cfg.loop.catalog)
     init = local_checkpoint(args.init)
     resolve_checkpoint(init)  # a missing or wrong checkpoint fails here, not after Ray has started
+    storage.prepare(args.resume, catalog=cfg.loop.catalog)
     cluster.start(cfg)
     try:
         summary = run_grpo(cfg, domain, init, storage.local, args.iterations, chaos_seed=args.chaos,

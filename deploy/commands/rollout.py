@@ -1,4 +1,5 @@
 """`postrain rollout`: N episodes of a domain through preemptible Ray rollout workers (optionally under chaos)."""
+from core.cli_args import nonneg_int, positive_int
 from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "rollout"
@@ -9,11 +10,11 @@ def add_arguments(p):
     p.add_argument("--checkpoint", required=True, help="HF causal-LM checkpoint directory, or a run directory holding one "
                    "as final/ (a path or a pyarrow.fs URI)")
     p.add_argument("--domain", required=True, help="task domain (see `postrain domains`)")
-    p.add_argument("--n", type=int, default=16, help="episodes to roll out")
-    p.add_argument("--workers", type=int, help="rollout workers (overrides pool.workers)")
-    p.add_argument("--seed", type=int, help="run seed: trajectory ids and sampling (overrides pool.seed)")
-    p.add_argument("--chaos", type=int, metavar="SEED", help="inject faults on a schedule drawn from SEED")
-    p.add_argument("--faults", type=int, default=5, help="faults injected under --chaos (default 5: one of each kind); "
+    p.add_argument("--n", type=positive_int, default=16, help="episodes to roll out")
+    p.add_argument("--workers", type=positive_int, help="rollout workers (overrides pool.workers)")
+    p.add_argument("--seed", type=nonneg_int, help="run seed: trajectory ids and sampling (overrides pool.seed)")
+    p.add_argument("--chaos", type=nonneg_int, metavar="SEED", help="inject faults on a schedule drawn from SEED")
+    p.add_argument("--faults", type=nonneg_int, default=5, help="faults injected under --chaos (default 5: one of each kind); "
                    "a run that ends before all of them fired fails and says why")
     p.add_argument("--out", required=True, help="run directory (must be empty or absent): a path or a pyarrow.fs URI "
                    "(file:///abs/dir, s3://bucket/prefix, ...)")
@@ -29,6 +30,7 @@ def run(args) -> int:
     from core import config
     from deploy.commands._common import default_config
     from core.errors import UserError
+    from core.hf import resolve_checkpoint
     from rollout.config import RolloutConfig
     from rollout.run import rollout_run
 
@@ -63,8 +65,9 @@ def run(args) -> int:
         from chaos.schedule import schedule
 
         injector = PoolInjector(schedule(args.chaos, cfg.pool.workers, args.faults), seed=args.chaos)
-    storage.prepare()
     checkpoint = local_checkpoint(args.checkpoint)
+    resolve_checkpoint(checkpoint)  # a missing or wrong checkpoint fails here, not after Ray has started
+    storage.prepare()
     cluster.start(cfg)
     try:
         report = rollout_run(cfg, checkpoint, args.domain, args.n, storage.local, observer=injector,

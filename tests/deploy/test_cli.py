@@ -66,6 +66,8 @@ def test_json_stdout_carries_the_report_alone():
       "--ray-address", "127.0.0.1:1"], "missing: no such directory"),
     (["opd", "--student", "{tmp}/missing", "--iterations", "3", "--out", "{tmp}/o", "--ray-address", "127.0.0.1:1"],
      "missing: no such directory"),
+    (["rollout", "--domain", "calc", "--checkpoint", "{tmp}/missing", "--out", "{tmp}/r", "--ray-address", "127.0.0.1:1"],
+     "missing: no such directory"),
 ])
 def test_errors_are_one_clear_line(tmp_path, args, needle):
     res = postrain(*[a.format(tmp=tmp_path) for a in args], check=False)
@@ -99,6 +101,7 @@ def test_bad_files_and_values_are_one_clear_line(tmp_path, args, needle):
     (["grpo", "--domain", "calc", "--init", "x", "--out", "x", "--iterations", "3", "--stop-after", "0"], "--stop-after"),
     (["opd", "--student", "x", "--out", "x", "--iterations", "-2"], "--iterations: must be a whole number >= 1"),
     (["opd", "--student", "x", "--out", "x", "--iterations", "3", "--chaos", "-1"], "--chaos: must be a whole number >= 0"),
+    (["rollout", "--domain", "calc", "--checkpoint", "x", "--out", "x", "--n", "0"], "--n: must be a whole number >= 1"),
 ])
 def test_counts_that_describe_no_run_are_refused_when_parsed(args, needle):
     res = postrain(*args, check=False, timeout=60)
