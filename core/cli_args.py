@@ -51,6 +51,26 @@ def _ints(text: str, each) -> list[int]:
     return out
 
 
+RUN_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def run_name_problem(text: str) -> str | None:
+    """What is wrong with `text` as a run's name, or None: a name is one directory under the runs directory
+    (letters, digits, '.', '_', '-'; not starting with '.'; at most 128 characters), so `--name ../x` or
+    `--name ''` cannot put a run's files elsewhere."""
+    if not 0 < len(text) <= 128 or text.startswith(".") or not set(text) <= RUN_NAME_CHARS:
+        return (f"must be one directory name of letters, digits, '.', '_' and '-' (not starting with '.', at "
+                f"most 128 characters), got {text!r}")
+    return None
+
+
+def run_name(text: str) -> str:
+    problem = run_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

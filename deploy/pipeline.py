@@ -23,6 +23,7 @@ from pathlib import Path
 
 import rewards
 from core import config
+from core.cli_args import run_name_problem
 from core.atomic import write_atomic
 from core.digest import sha256_tree
 from core.errors import UserError
@@ -63,6 +64,9 @@ class Pipeline:
         refuse_uri("merge.init", cfg.merge.init)
         if quick and cfg.quick:
             cfg = config.build(PipelineConfig, config.merge(cfg.model_dump(exclude={"quick"}), cfg.quick), "[quick]")
+        problem = run_name_problem(name)
+        if problem:
+            raise UserError(f"pipeline: the run name {problem}")
         self.cfg, self.name, self.chaos, self.quick, self.quiet = cfg, name, chaos, quick, quiet
         self.run_dir = Path(runs) / name
         self.live = progress if progress is not None else (sys.stderr.isatty() and not quiet)

@@ -1,4 +1,5 @@
 """`postrain job`: the main job on the embedded default (today: SFT on every domain, then eval)."""
+from core.cli_args import run_name
 from deploy.commands._common import add_config_args
 
 NAME = "job"
@@ -6,7 +7,7 @@ HELP = "run the main pipeline job (SFT then eval on every domain) into runs/NAME
 
 
 def add_arguments(p):
-    p.add_argument("--name", default="default", help="run name: outputs go to runs/NAME/")
+    p.add_argument("--name", type=run_name, default="default", help="run name: outputs go to runs/NAME/")
     p.add_argument("--runs", default="runs", help="parent directory of run directories")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     add_config_args(p)

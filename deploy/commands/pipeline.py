@@ -1,4 +1,5 @@
 """`postrain pipeline`: SFT -> specialists -> OPD merge -> evaluate -> report, one resumable job."""
+from core.cli_args import nonneg_int, run_name
 from deploy.commands._common import add_cluster_args, add_config_args
 
 NAME = "pipeline"
@@ -6,9 +7,9 @@ HELP = "the whole loop into runs/NAME/: SFT, one GRPO specialist per domain, OPD
 
 
 def add_arguments(p):
-    p.add_argument("--name", default="default", help="run name: outputs go to RUNS/NAME/")
+    p.add_argument("--name", type=run_name, default="default", help="run name: outputs go to RUNS/NAME/")
     p.add_argument("--runs", default="runs", help="parent directory of run directories")
-    p.add_argument("--chaos", type=int, metavar="SEED", help="inject rollout faults in every training stage")
+    p.add_argument("--chaos", type=nonneg_int, metavar="SEED", help="inject rollout faults in every training stage")
     p.add_argument("--quick", action="store_true", help="the config's [quick] overrides: a smoke run in minutes")
     p.add_argument("--force", action="store_true", help="accept a changed config for an existing run directory "
                                                         "(stages whose settings changed run again, and those after)")

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from core.cli_args import nonneg_ints, positive_float, positive_int, positive_ints
+from core.cli_args import nonneg_ints, positive_float, positive_int, positive_ints, run_name, run_name_problem
 
 
 def test_the_types_take_what_describes_a_measurement():
@@ -21,3 +21,12 @@ def test_the_types_take_what_describes_a_measurement():
     for bad in (",", "1,1", "1,0"):
         with pytest.raises(argparse.ArgumentTypeError):
             positive_ints(bad)
+
+
+def test_a_run_name_is_one_directory_under_the_runs_directory():
+    for good in ("default", "seed1", "calc-v2.1_b"):
+        assert run_name(good) == good and run_name_problem(good) is None
+    for bad in ("", ".", "..", "../x", "a/b", "/abs", ".hidden", "a b", "x" * 129, "naïve"):
+        assert run_name_problem(bad)
+        with pytest.raises(argparse.ArgumentTypeError):
+            run_name(bad)

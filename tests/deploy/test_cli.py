@@ -102,6 +102,9 @@ def test_bad_files_and_values_are_one_clear_line(tmp_path, args, needle):
     (["opd", "--student", "x", "--out", "x", "--iterations", "-2"], "--iterations: must be a whole number >= 1"),
     (["opd", "--student", "x", "--out", "x", "--iterations", "3", "--chaos", "-1"], "--chaos: must be a whole number >= 0"),
     (["rollout", "--domain", "calc", "--checkpoint", "x", "--out", "x", "--n", "0"], "--n: must be a whole number >= 1"),
+    (["pipeline", "--name", "../elsewhere"], "--name: must be one directory name"),
+    (["pipeline", "--name", "a/b"], "--name: must be one directory name"),
+    (["job", "--name", ""], "--name: must be one directory name"),
 ])
 def test_counts_that_describe_no_run_are_refused_when_parsed(args, needle):
     res = postrain(*args, check=False, timeout=60)

@@ -109,6 +109,15 @@ def _fake_stages(p, seen: dict, kill_in: str | None = None):
         setattr(p, f"_stage_{name}", stage(name))
 
 
+@pytest.mark.parametrize("name", ["../elsewhere", "a/b", "", ".."])
+def test_a_pipeline_named_outside_its_runs_directory_is_refused(tmp_path, name):
+    runs = tmp_path / "runs"
+    cfg = config.load(PipelineConfig, default_config("pipeline"), [])
+    with pytest.raises(UserError, match="run name must be one directory name"):
+        Pipeline(cfg, name, runs=runs, quiet=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing written anywhere"
+
+
 def test_a_fresh_run_says_no_stage_runs_again_and_a_rerun_says_why(tmp_path, capsys):
     p = _pipeline(tmp_path)
     p.quiet = False
