@@ -68,7 +68,7 @@ def run(args) -> int:
     cfg = _config(args)
     if getattr(args, "epoch", 0) < 0:
         raise UserError(f"--epoch {args.epoch}: an epoch number is >= 0")
-    if args.data_verb == "stats" and "://" not in cfg.catalog and not Path(cfg.catalog).is_file():
+    if "://" not in cfg.catalog and not Path(cfg.catalog).is_file():  # a read: create no empty catalog
         raise UserError(f"catalog file {cfg.catalog} does not exist (give --catalog PATH or a postgresql:// URL)")
     try:
         dp = dataplane.open(cfg.catalog, cfg.store, namespace=cfg.namespace, create=False)

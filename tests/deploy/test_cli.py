@@ -83,6 +83,7 @@ def test_errors_are_one_clear_line(tmp_path, args, needle):
     (["data", "plan", "--config", "{tmp}/binary.toml"], "is not UTF-8 text"),
     (["data", "stats", "--catalog", "{tmp}/garbage.db"], "cannot open: file is not a database"),
     (["data", "plan", "--catalog", "{tmp}/c.db", "--store", "{tmp}/s", "--epoch", "-1"], "--epoch -1: an epoch number is >= 0"),
+    (["data", "plan", "--catalog", "{tmp}/none.db", "--store", "{tmp}/s"], "none.db does not exist"),
     (["sandbox", "serve", "--log-dir", "{tmp}/sb", "--first-slot", "250"], "exceed the 256 execution slots"),
     (["sandbox", "serve", "--log-dir", "{tmp}/sb", "--max-concurrent", "0"], "bad sandbox option max_concurrent"),
 ])
@@ -94,6 +95,7 @@ def test_bad_files_and_values_are_one_clear_line(tmp_path, args, needle):
     res = postrain(*[a.format(tmp=tmp_path) for a in args], check=False)
     lines = [line for line in res.stderr.splitlines() if line.strip() and "Warning" not in line]
     assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], res.stderr
+    assert not (tmp_path / "none.db").exists() and not (tmp_path / "s").exists(), "a refused read wrote nothing"
 
 
 @pytest.mark.parametrize("args,needle", [
