@@ -77,8 +77,17 @@ def test_dry_run_against_real_postgresql(tmp_path):
     assert any(ln.split()[:2] == ["catalog", "ok"] and "PostgreSQL" in ln for ln in res.stdout.splitlines())
 
 
+def _named_checkpoint(tmp_path):
+    """A directory that passes as a checkpoint until its weights are loaded: the checks before Ray starts
+    (a missing checkpoint is refused there) let these runs reach the services."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text('{"model_type": "qwen2"}')
+    return str(ckpt)
+
+
 def test_unreachable_ray_address_on_the_command_line(tmp_path):
-    res = postrain("rollout", "--checkpoint", "x", "--domain", "reverse", "--out", str(tmp_path / "o"),
+    res = postrain("rollout", "--checkpoint", _named_checkpoint(tmp_path), "--domain", "reverse", "--out", str(tmp_path / "o"),
                    "--ray-address", f"127.0.0.1:{free_port()}")
     err = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(err) == 1 and "cannot reach the Ray cluster" in err[0], res.stderr
@@ -88,7 +97,7 @@ def test_unreachable_services_fail_at_start_not_mid_run(tmp_path):
     port = free_port()
     bad = tmp_path / "bad.toml"
     bad.write_text(f'[wal]\nmode = "external"\naddresses = ["127.0.0.1:{port}"]\n')
-    res = postrain("rollout", "--checkpoint", str(tmp_path / "none"), "--domain", "reverse", "--n", "2",
+    res = postrain("rollout", "--checkpoint", _named_checkpoint(tmp_path), "--domain", "reverse", "--n", "2",
                    "--out", str(tmp_path / "o"), "--cluster", str(bad))
     err = [ln for ln in res.stderr.splitlines() if "error" in ln]  # (a local Ray prints a notice of its own)
     assert res.returncode == 2 and len(err) == 1 and f"WAL service 127.0.0.1:{port} unreachable" in err[0], res.stderr
