@@ -18,6 +18,10 @@ REASON = probe()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"sandbox isolation unavailable: {REASON}")
 
 MAX_CONCURRENT = 4
+# This module's service runs on slots no other test's service takes: services on one host with overlapping
+# slots share execution uids, so one's sweep after a kill takes the other's execution down and one's
+# waiting sandboxes count as the other's leftovers (the suite runs files side by side).
+FIRST_SLOT = 160
 PROCESSES = 16
 
 
@@ -26,7 +30,7 @@ def server(tmp_path_factory):
     from rewards.sandbox.config import SandboxConfig
     from rewards.sandbox.server import SandboxServer
 
-    cfg = SandboxConfig(log_dir=tmp_path_factory.mktemp("sandbox"), max_concurrent=MAX_CONCURRENT, wall_s=10.0,
+    cfg = SandboxConfig(log_dir=tmp_path_factory.mktemp("sandbox"), max_concurrent=MAX_CONCURRENT, first_slot=FIRST_SLOT, wall_s=10.0,
                         cpu_s=1, address_space_mb=256, processes=PROCESSES, file_size_mb=4, tmp_mb=16,
                         output_bytes=32 << 10)
     srv = SandboxServer(cfg, token="isolation-test-token")
@@ -51,7 +55,7 @@ def _sid(name: str) -> str:
 
 def _pool_leftovers() -> int:
     """Tasks under the execution uids beyond each slot's one pre-started, waiting sandbox."""
-    return sum(max(len(_tasks_of_uid(UID_BASE + s)) - 1, 0) for s in range(MAX_CONCURRENT))
+    return sum(max(len(_tasks_of_uid(UID_BASE + s)) - 1, 0) for s in range(FIRST_SLOT, FIRST_SLOT + MAX_CONCURRENT))
 
 
 def run_with_benign(client, code: str, timeout_ms: int = 0, start_delay_s: float = 0.3):
@@ -68,7 +72,7 @@ def run_with_benign(client, code: str, timeout_ms: int = 0, start_delay_s: float
 
     def sample():  # peak count of tasks owned by the execution uids while the hostile call runs
         while not done.is_set():
-            peak[0] = max(peak[0], max(len(_tasks_of_uid(UID_BASE + s)) for s in range(MAX_CONCURRENT)))
+            peak[0] = max(peak[0], max(len(_tasks_of_uid(UID_BASE + s)) for s in range(FIRST_SLOT, FIRST_SLOT + MAX_CONCURRENT)))
             time.sleep(0.02)
 
     threads = [threading.Thread(target=hostile), threading.Thread(target=sample)]
