@@ -55,12 +55,13 @@ def open(catalog_url: str | os.PathLike, store_root: str | os.PathLike, *, names
          filesystem=None, shard_bytes: int = 256 << 20, create: bool = True, use_mmap: bool = True):
     """Open (or create) a data plane: `catalog_url` is a SQLite path / `sqlite:///` URL or a PostgreSQL
     URL (`namespace`: a PostgreSQL schema to keep catalogs apart); `store_root` a local directory or a
-    `pyarrow.fs` URI (or a path inside `filesystem`)."""
+    `pyarrow.fs` URI (or a path inside `filesystem`). `create=False` opens an existing catalog and creates
+    neither it nor the store's directory (a reader)."""
     from dataplane.catalog import Catalog
     from dataplane.plane import DataPlane
     from dataplane.store import ShardStore
 
-    store = ShardStore(store_root, filesystem=filesystem, use_mmap=use_mmap)
+    store = ShardStore(store_root, filesystem=filesystem, use_mmap=use_mmap, create=create)
     return DataPlane(Catalog(catalog_url, namespace=namespace, create=create), store, shard_bytes=shard_bytes)
 
 

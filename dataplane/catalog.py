@@ -128,7 +128,8 @@ class Catalog:
             self.engine = self.backend.make_engine(self.url, namespace)
             self._check_schema(create)
         except DatabaseError as exc:  # cannot connect, or not a database at all (a file of another kind)
-            raise DataPlaneError(f"catalog {self._safe_url()}: cannot open: {exc.orig}{_full_device(self.url)}") from None
+            why = " ".join(str(exc.orig).split())  # a driver's message may span lines (psycopg adds a hint)
+            raise DataPlaneError(f"catalog {self._safe_url()}: cannot open: {why}{_full_device(self.url)}") from None
 
     def _safe_url(self) -> str:
         return self.url.split("@")[-1] if "@" in self.url else self.url

@@ -60,7 +60,9 @@ class MappedShard:
 class ShardStore:
     """Shards live at `<root>/<relative path>`; the catalog stores only relative paths, so a store can move."""
 
-    def __init__(self, root: str | os.PathLike, filesystem: pafs.FileSystem | None = None, use_mmap: bool = True):
+    def __init__(self, root: str | os.PathLike, filesystem: pafs.FileSystem | None = None, use_mmap: bool = True,
+                 create: bool = True):
+        """`create=False` (a reader: stats, plans) leaves a missing root missing; its shards then fail to read."""
         root = str(root)
         if filesystem is not None or is_uri(root):
             self.remote = RemoteStore(root, filesystem)
@@ -70,9 +72,9 @@ class ShardStore:
         self.root = root
         self.local = isinstance(self.fs, pafs.LocalFileSystem)
         self.use_mmap = use_mmap and self.local
-        if self.local:
+        if create and self.local:
             fileio.makedirs(self.base)
-        else:
+        elif create:
             self.fs.create_dir(self.base, recursive=True)
 
     def full_path(self, rel: str) -> str:

@@ -38,11 +38,8 @@ def _serve(args) -> int:
     from wal.errors import CorruptionError, LockedError
     from wal.server import Server
 
-    cfg = load(WALFileConfig, args.config, args.set)
-    if args.port is not None:
-        cfg.serve.port = args.port
-    if args.host is not None:
-        cfg.serve.host = args.host
+    flags = [f"serve.{k}={v}" for k, v in (("port", args.port), ("host", args.host)) if v is not None]
+    cfg = load(WALFileConfig, args.config, list(args.set) + flags)  # bounds checked, one line on error
     token = args.token or os.environ.get("POSTRAIN_WAL_TOKEN") or None
     try:
         server = Server(args.dir, cfg.serve, cfg.wal, token=token, repair=args.repair)

@@ -84,6 +84,9 @@ def test_errors_are_one_clear_line(tmp_path, args, needle):
     (["data", "stats", "--catalog", "{tmp}/garbage.db"], "cannot open: file is not a database"),
     (["data", "plan", "--catalog", "{tmp}/c.db", "--store", "{tmp}/s", "--epoch", "-1"], "--epoch -1: an epoch number is >= 0"),
     (["data", "plan", "--catalog", "{tmp}/none.db", "--store", "{tmp}/s"], "none.db does not exist"),
+    (["data", "stats", "--catalog", "postgresql://postgres@127.0.0.1:1/test", "--store", "{tmp}/s"],
+     "Connection refused Is the server running"),
+    (["wal", "serve", "--dir", "{tmp}/w", "--port", "70000"], "serve.port: Input should be less than or equal to 65535"),
     (["sandbox", "serve", "--log-dir", "{tmp}/sb", "--first-slot", "250"], "exceed the 256 execution slots"),
     (["sandbox", "serve", "--log-dir", "{tmp}/sb", "--max-concurrent", "0"], "bad sandbox option max_concurrent"),
 ])
