@@ -22,7 +22,7 @@ C = TypeVar("C", bound=BaseModel)
 class Config(BaseModel):
     """Base of every component config: strict keys, validated on assignment, frozen after checks."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 def read_file(path: str | Path) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class WALConfig(BaseModel):
     """How a WAL directory is written and reclaimed."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     segment_bytes: int = Field(64 << 20, ge=4096, le=1 << 34, description="roll to a new segment file once the active one reaches this size")
     preallocate_bytes: int = Field(1 << 20, ge=0, le=1 << 30, description="the active segment is zero-filled this far ahead of the write position, so commits fdatasync data only (0: grow the file on every commit)")
@@ -22,7 +22,7 @@ class WALConfig(BaseModel):
 class ServeConfig(BaseModel):
     """The gRPC log service (`postrain wal serve`)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     host: str = Field("127.0.0.1", description="interface to bind; anything but loopback requires a token")
     port: int = Field(50551, ge=0, le=65535, description="TCP port (0 picks a free one)")
@@ -36,7 +36,7 @@ class ServeConfig(BaseModel):
 class WALFileConfig(BaseModel):
     """A `postrain wal serve --config FILE`: `[wal]` and `[serve]` tables."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     wal: WALConfig = Field(default_factory=WALConfig, description="log directory settings")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="gRPC service settings")

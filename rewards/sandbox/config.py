@@ -13,7 +13,7 @@ ENTRY_OVERHEAD_BYTES = 64 << 10  # an entry's fields besides its request and its
 
 
 class SandboxConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     host: str = Field("127.0.0.1", description="address to bind; 127.0.0.1 unless the service must be reachable from other hosts")
     port: int = Field(0, ge=0, le=65535, description="TCP port; 0 picks a free one (printed at start)")

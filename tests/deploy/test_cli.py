@@ -57,6 +57,7 @@ def test_json_stdout_carries_the_report_alone():
 @pytest.mark.parametrize("args,needle", [
     (["sft", "--out", "{tmp}/x", "--domain", "nope"], "unknown domain 'nope'"),
     (["sft", "--out", "{tmp}/x", "--set", "sft.stepz=3"], "unknown key 'sft.stepz'"),
+    (["sft", "--out", "{tmp}/x", "--set", "sft.lr=nan"], "sft.lr: Input should be a finite number"),
     (["eval", "--checkpoint", "{tmp}/missing"], "missing: no such directory; expected an HF checkpoint directory"),
     (["eval", "--checkpoint", "{tmp}"], "neither"),
     (["sft", "--out", "{tmp}/x", "--config", "{tmp}/none.toml"], "config file not found"),
