@@ -12,7 +12,8 @@ the recovery of a log of such steps (`recovery_scan_steps`);
 and two I/O references: the same bytes written over a
 zero-filled file + fdatasync (`raw_prealloc_fdatasync`, the WAL's own I/O pattern) and a 1-byte in-place
 rewrite + fdatasync (`floor_1byte_fdatasync`, the cheapest durable commit the disk allows). Configurations of one B are interleaved and repeated (`--rounds`), and
-the median is reported, because shared machines are noisy.
+the median is reported, because shared machines are noisy. Recovery opens are timed each first thing in a
+new process, as a recovery runs, cold (the log's pages dropped) and warm in turn.
 
     python -m bench.wal --json         (or: postrain bench wal --json)
 """
