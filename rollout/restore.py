@@ -112,14 +112,17 @@ class SplitPolicy:
     def _alone_near(self, tokens: int) -> list[tuple[int, float]]:
         return [(t, s) for t, s in self.alone if max(t, tokens) <= 1.5 * min(t, tokens)]
 
+    def _alone_s(self, tokens: int) -> float | None:
+        """The quickest prefill timed alone of a size within 1.5x of `tokens`, scaled to it; None without one
+        (the caller holds the lock)."""
+        return min((s * tokens / t for t, s in self._alone_near(tokens)), default=None)
+
     def recompute_s(self, tokens: int, model: tuple[float, float]) -> float:
-        """Seconds to prefill `tokens` with nothing read: the quickest prefill alone of a size within 1.5x,
-        scaled to `tokens`, else the heads' line `model` (dearer: heads run beside a read)."""
+        """Seconds to prefill `tokens` with nothing read: prefills timed alone (`_alone_s`), else the heads'
+        line `model` (dearer: heads run beside a read)."""
         with self._lock:
-            near = self._alone_near(tokens)
-        if near:
-            return min(s * tokens / t for t, s in near)
-        return model[0] + model[1] * tokens
+            alone = self._alone_s(tokens)
+        return alone if alone is not None else model[0] + model[1] * tokens
 
     def observe_read(self, nbytes: int, seconds: float, cached: bool) -> None:
         if nbytes > 0 and seconds > 0:
@@ -173,7 +176,6 @@ class SplitPolicy:
             self._explored_alone = False
         return min(range(block, last + 1, block), key=seconds)
 
-
     def _unsplittable(self, token_count: int, bytes_per_token: int, cached: bool) -> int:
         """start() for a snapshot under two blocks: the whole read, or every token prefilled where prefills of
         about this size timed alone were quicker than reading it (2k tokens on an H100 host: a cold read 16.7
@@ -181,11 +183,11 @@ class SplitPolicy:
         token, until two of about this size are timed."""
         r = self.read_s_per_byte[cached]
         with self._lock:
-            near = self._alone_near(token_count)
-            if r is not None and near:
-                return token_count if min(s * token_count / t for t, s in near) < r * bytes_per_token * token_count else 0
+            alone = self._alone_s(token_count)
+            if r is not None and alone is not None:
+                return token_count if alone < r * bytes_per_token * token_count else 0
             self._unsplit += 1
-            if self._unsplit < self.explore_every or len(near) >= 2 or token_count < 1:
+            if self._unsplit < self.explore_every or len(self._alone_near(token_count)) >= 2 or token_count < 1:
                 return 0
             self._unsplit = 0
         return token_count
