@@ -584,7 +584,6 @@ def main(argv: list[str] | None = None) -> int:
             for m, xs in runs.items():
                 sps = statistics.median(xs)
                 cfg[m] = {"steps_s": round(sps, 1), "tokens_s": round(sps * b, 1), "steps_s_runs": [round(x, 1) for x in xs]}
-            # ratios of measurements taken next to each other, then the median: robust to slow drifts of fsync latency
             cfg["paired_ratio_inproc_vs_raw_fsync"] = _paired(runs, "inproc", "raw_fsync")
             cfg["paired_ratio_inproc_vs_sqlite_rows"] = _paired(runs, "inproc", "sqlite_rows")
             cfg["paired_ratio_inproc_vs_sqlite_blob"] = _paired(runs, "inproc", "sqlite_blob")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import rewards
 from core import config
-from core.cli_args import run_name_problem
 from core.atomic import write_atomic
+from core.cli_args import run_name_problem
 from core.digest import sha256_tree
 from core.errors import UserError
 from core.rundir import last_metrics

@@ -151,6 +151,16 @@ def _sqlite_copy(src: Path, dst: Path) -> None:
         a.backup(b)
 
 
+def check_local_checkpoints(*specs: str | Path) -> None:
+    """Every local path among `specs` names a checkpoint (UserError naming the first that does not); a URI is
+    checked when `local_checkpoint` downloads it. Called before Ray starts, so a mistyped path costs no start."""
+    from core.hf import resolve_checkpoint
+
+    for spec in specs:
+        if not is_uri(str(spec)):
+            resolve_checkpoint(spec)
+
+
 def local_checkpoint(spec: str | Path) -> str:
     """`--init` / `--checkpoint` as a local path: a URI's committed tree (itself, or its final/) is downloaded
     into the staging area with every file checked against its manifest; a local path is returned as it is."""

@@ -33,14 +33,13 @@ def run(args) -> int:
 
     import rewards
     from core.errors import UserError
-    from core.hf import resolve_checkpoint
     from deploy.cluster import ClusterRun
 
     try:
         tools = any(rewards.domain(d).uses_tools for d in args.domain)
     except rewards.UnknownDomain as exc:
         raise UserError(str(exc)) from None
-    from deploy.run_storage import RunStorage, local_checkpoint
+    from deploy.run_storage import RunStorage, check_local_checkpoints, local_checkpoint
 
     storage = RunStorage(args.out, "grpo")
     cluster = ClusterRun(args, "grpo", storage.local, tools=tools, uri=storage.remote and storage.out)
@@ -61,8 +60,8 @@ def run(args) -> int:
     if args.keep_data:
         cfg.loop.keep_data = True
     domain = args.domain[0] if len(args.domain) == 1 else args.domain
+    check_local_checkpoints(args.init)
     init = local_checkpoint(args.init)
-    resolve_checkpoint(init)  # a missing or wrong checkpoint fails here, not after Ray has started
     storage.prepare(args.resume, catalog=cfg.loop.catalog)
     cluster.start(cfg)
     try:

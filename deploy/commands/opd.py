@@ -33,25 +33,21 @@ def run(args) -> int:
     from deploy.opd_loop import run_opd
     from distill.teachers import parse_teacher_arg, table_entries
 
-    from core.hf import resolve_checkpoint
-    from dataplane.remote import is_uri
     from deploy.cluster import ClusterRun
-    from deploy.run_storage import RunStorage
+    from deploy.run_storage import RunStorage, check_local_checkpoints
 
     teachers = [parse_teacher_arg(t) for t in args.teacher]
     storage = RunStorage(args.out, "opd")
     cluster = ClusterRun(args, "opd", storage.local, tools=True, uri=storage.remote and storage.out)
     cfg = config.load(OPDLoopConfig, args.config or default_config("opd"),
                       cluster.overrides + storage.overrides() + list(args.overrides))
+    checkpoints = [args.student, *(p for _, p, _ in table_entries(cfg.opd.teachers) + teachers)]
     if args.dry_run:
         from deploy.cluster_check import check
 
-        teacher_paths = [p for _, p, _ in table_entries(cfg.opd.teachers) + teachers]
-        check(cluster, cfg, cfg.loop.catalog, checkpoint=[args.student, *teacher_paths])
+        check(cluster, cfg, cfg.loop.catalog, checkpoint=checkpoints)
         return 0
-    for path in [args.student, *(p for _, p, _ in table_entries(cfg.opd.teachers) + teachers)]:
-        if not is_uri(str(path)):
-            resolve_checkpoint(path)  # a missing or wrong checkpoint fails here, not after Ray has started
+    check_local_checkpoints(*checkpoints)
     storage.prepare(args.resume, catalog=cfg.loop.catalog)
     cluster.start(cfg)
     try:

@@ -30,12 +30,9 @@ def run(args) -> int:
     from core import config
     from deploy.commands._common import default_config
     from core.errors import UserError
-    from core.hf import resolve_checkpoint
     from rollout.config import RolloutConfig
     from rollout.run import rollout_run
 
-    if args.n < 1 or args.faults < 0:
-        raise UserError("rollout: --n must be >= 1 and --faults >= 0")
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"pool.workers={args.workers}")
@@ -48,7 +45,7 @@ def run(args) -> int:
         tools = rewards.domain(args.domain).uses_tools
     except rewards.UnknownDomain as exc:
         raise UserError(str(exc)) from None
-    from deploy.run_storage import RunStorage, local_checkpoint
+    from deploy.run_storage import RunStorage, check_local_checkpoints, local_checkpoint
 
     storage = RunStorage(args.out, "rollout")
     cluster = ClusterRun(args, "rollout", storage.local, tools=tools, uri=storage.remote and storage.out)
@@ -65,8 +62,8 @@ def run(args) -> int:
         from chaos.schedule import schedule
 
         injector = PoolInjector(schedule(args.chaos, cfg.pool.workers, args.faults), seed=args.chaos)
+    check_local_checkpoints(args.checkpoint)
     checkpoint = local_checkpoint(args.checkpoint)
-    resolve_checkpoint(checkpoint)  # a missing or wrong checkpoint fails here, not after Ray has started
     storage.prepare()
     cluster.start(cfg)
     try:
