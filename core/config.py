@@ -27,8 +27,13 @@ class Config(BaseModel):
 
 def read_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"config file not found: {path}")
+    if not path.is_file():
+        raise UserError(f"config file {path} is {'a directory' if path.is_dir() else 'not a regular file'}; "
+                        "expected a .toml, .yaml or .yml file")
+    if path.suffix not in (".toml", ".yaml", ".yml"):
+        raise UserError(f"config file {path}: expected .toml, .yaml or .yml")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -36,10 +41,7 @@ def read_file(path: str | Path) -> dict[str, Any]:
     try:
         if path.suffix == ".toml":
             return tomllib.loads(text)
-        if path.suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
-        else:
-            raise UserError(f"config file {path}: expected .toml, .yaml or .yml")
+        data = yaml.safe_load(text)
     except tomllib.TOMLDecodeError as exc:
         raise UserError(f"config file {path} does not parse: {exc}") from None
     except yaml.YAMLError as exc:  # its message runs over several lines, with a quote of the file

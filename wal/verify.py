@@ -1,19 +1,39 @@
 """Read-only inspection of a log directory: `postrain wal verify` and `postrain wal dump`."""
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 
+from core.errors import UserError
 from wal import codec, segments, tombstones
-from wal.errors import CorruptionError
+from wal.errors import CorruptionError, WALError
 from wal.types import EnvInvokeRecord, EnvReleaseRecord, EnvResultRecord, FinalizeRecord, Record, StepRecord, TokensRecord
+
+
+class NotALogError(WALError, UserError):
+    """The directory holds no log segment: a mistyped path, or the parent of a run's logs."""
+
+
+def log_directory(directory: str | Path) -> Path:
+    """`directory` as a log to read, or an error naming what it is: missing, or holding no segment (a log
+    always has one, from its first open on), with the logs one level below it where there are some (a
+    rollout pool keeps one log per worker, `wal/0`, `wal/1`, ...)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise FileNotFoundError(2, "WAL directory not found", str(directory))
+    if segments.list_segments(directory):
+        return directory
+    below = sorted(e.name for e in os.scandir(directory) if e.is_dir() and segments.list_segments(Path(e.path)))
+    where = (f"; the logs in it: {', '.join(below[:8])}" + (f" and {len(below) - 8} more" if len(below) > 8 else "")
+             if below else "")
+    raise NotALogError(f"{directory} is not a WAL directory: it holds no segment file "
+                       f"(<base lsn, 20 digits>.seg){where}")
 
 
 def verify(directory: str | Path) -> dict:
     """Scan without modifying anything: segments, records, trajectories, tokens, torn tail, corruption."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise FileNotFoundError(2, "WAL directory not found", str(directory))
+    directory = log_directory(directory)
     lengths: dict[str, int] = {}
     finalized: set[str] = set()
     counts = {"tokens_records": 0, "step_records": 0, "finalize_records": 0, "env_records": 0}
@@ -81,5 +101,5 @@ def dump(directory: str | Path, traj_id: str) -> list[dict]:
             rows.append({"lsn": rec.lsn, "type": kind, "seq": rec.seq, "bytes": len(data),
                          "data": data.decode("utf-8", "backslashreplace")})
 
-    segments.scan(Path(directory), on_record, mutate=False)
+    segments.scan(log_directory(directory), on_record, mutate=False)
     return rows

@@ -211,6 +211,21 @@ def test_cli_verify_and_dump(tmp_path):
     assert r.returncode == 2 and "corrupt" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_cli_refuses_a_directory_that_holds_no_log(tmp_path):
+    """A mistyped path, or the parent of a pool's logs, is named as not a log, never verified as an empty one."""
+    for k in range(2):
+        wal.open(tmp_path / "wal" / str(k)).close()
+    (tmp_path / "wal" / "notes").mkdir()
+    for args in (("verify", str(tmp_path / "wal")), ("dump", str(tmp_path / "wal"), "--traj", "a")):
+        r = _cli(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "is not a WAL directory" in r.stderr and "the logs in it: 0, 1\n" in r.stderr, r.stderr
+    r = _cli("verify", str(tmp_path / "wal" / "notes"))
+    assert r.returncode == 2 and "is not a WAL directory" in r.stderr and "logs in it" not in r.stderr, r.stderr
+    r = _cli("verify", str(tmp_path / "wal" / "1"))
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout + r.stderr
+
+
 def test_serve_config_file_parses_and_bounds_are_enforced(tmp_path):
     from core.config import load
     from core.errors import UserError
