@@ -131,3 +131,22 @@ def test_storage_verb_pushes_and_pulls_a_checkpoint(tmp_path, capsys):
     assert main(["storage", "check", uri]) == 0
     out = capsys.readouterr().out
     assert f"2 files, 76 bytes -> {uri} (committed)" in out and "sha256 verified" in out
+
+
+def test_storage_pull_keeps_a_directory_that_holds_files(tmp_path, capsys):
+    """A pull into a directory with files in it (a typo, `.`, a home directory) deletes nothing unless asked."""
+    from deploy.cli import main
+
+    uri = f"file://{tmp_path}/s/base"
+    assert main(["storage", "push", str(_ckpt(tmp_path / "src", "A")), uri]) == 0
+    keep = tmp_path / "work"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    assert main(["storage", "pull", uri, str(keep)]) == 2
+    assert "is not empty" in capsys.readouterr().err and (keep / "notes.txt").read_text() == "mine"
+    assert main(["storage", "pull", uri, str(keep / "notes.txt")]) == 2
+    assert "is not a directory" in capsys.readouterr().err and (keep / "notes.txt").read_text() == "mine"
+    (tmp_path / "empty").mkdir()
+    assert main(["storage", "pull", uri, str(tmp_path / "empty")]) == 0
+    assert main(["storage", "pull", uri, str(keep), "--replace"]) == 0
+    assert sorted(p.name for p in keep.iterdir()) == sorted(p.name for p in (tmp_path / "empty").iterdir())
