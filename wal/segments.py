@@ -41,6 +41,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,19 +224,56 @@ def _release(buf) -> None:
             pass
 
 
-def _read_ahead(path: Path) -> None:
-    """Ask the kernel to start reading a file into the page cache now (asynchronously): a cold recovery
-    then overlaps the disk with decoding instead of faulting in the mapping a few pages at a time."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+class _ReadAhead:
+    """Reads the segments of a scan into the page cache on a thread of its own, in order, the one being
+    scanned and the next at most, so that a cold recovery's disk reads overlap its decoding.
+
+    It reads (pread into a scratch buffer, the GIL released) rather than advises: POSIX_FADV_WILLNEED reads
+    at most the device's readahead window per call (8 MB on one virtio disk, 128 KB by default), and the
+    mapping's faults then read the rest a window at a time, mostly while the decode waits. On a 2-core AMD
+    EPYC a 128 MB log opened cold at 509 MB/s with an advice on each segment and the next, and at 617
+    with this reader (medians of 9 interleaved opens, each the first of a new process; warm: 669 and 655)."""
+
+    CHUNK = 8 << 20
+
+    def __init__(self, paths: list[Path]):
+        self._paths, self._at, self._stop = paths, 0, False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="wal-read-ahead", daemon=True)
+        self._thread.start()
+
+    def at(self, i: int) -> None:
+        """The scan has reached segment i: the thread may read up to segment i + 1."""
+        with self._cond:
+            self._at = i
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        buf = bytearray(self.CHUNK)
+        for j, path in enumerate(self._paths):
+            with self._cond:
+                while not self._stop and j > self._at + 1:
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue  # gone or unreadable: the scan itself reports it
+            try:
+                off = 0
+                while not self._stop and (n := os.preadv(fd, [buf], off)) > 0:
+                    off += n
+            except OSError:
+                pass  # the scan's own read meets the error and reports it
+            finally:
+                os.close(fd)
 
 
 def _keep_aside(directory: Path, name: str, data: bytes) -> Path:
@@ -269,15 +307,18 @@ def scan(directory: Path, on_record: Callable[[Record], None], *, mutate: bool, 
     if mutate:
         remove_temporaries(directory)
     segs = list_segments(directory)
-    for i, (base, path) in enumerate(segs):
-        for _, ahead in segs[i:i + 2]:  # this segment and the next: read from disk while records decode
-            _read_ahead(ahead)
-        buf = _read(path)
-        try:
-            if not _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, repair):
-                break
-        finally:
-            _release(buf)
+    ahead = _ReadAhead([path for _, path in segs])
+    try:
+        for i, (base, path) in enumerate(segs):
+            ahead.at(i)
+            buf = _read(path)
+            try:
+                if not _scan_one(report, directory, segs, i, base, path, buf, on_record, mutate, repair):
+                    break
+            finally:
+                _release(buf)
+    finally:
+        ahead.close()
     return report
 
 

@@ -216,3 +216,48 @@ def test_retention_never_copies_a_cut_record_forward(tmp_path):
     w = wal.open(d, cfg)  # a copy of A@5..6 would be deferred here and resurrect tokens the writer never saw
     assert w.tokens("A") == [1, 2, 3, 4, 5] and len(w.tokens("B")) == 3 + 60 * 16
     w.close()
+
+
+def _read_ahead_threads():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name == "wal-read-ahead"]
+
+
+def test_the_read_ahead_stays_one_segment_ahead_and_stops_with_the_scan(tmp_path, monkeypatch):
+    """The scan's reader thread opens the segment being scanned and the next, never further, and is gone
+    when the scan returns or raises."""
+    import os
+    import threading
+
+    _, segs = _multi_segment(tmp_path)
+    order = {p.name: i for i, (_, p) in enumerate(segs)}
+    opened, real_open = [], os.open
+
+    def logged_open(path, *args, **kw):
+        if threading.current_thread().name == "wal-read-ahead":
+            opened.append(order[os.path.basename(path)])
+        return real_open(path, *args, **kw)
+
+    monkeypatch.setattr(os, "open", logged_open)
+    first_base = segs[0][0]
+    seen_at: list[int] = []
+
+    def on_record(rec):
+        seg = max(i for i, (base, _) in enumerate(segs) if base <= rec.lsn)
+        if not seen_at or seen_at[-1] != seg:
+            import time
+            time.sleep(0.02)  # time for the reader to run ahead, if it would
+            seen_at.append(seg)
+            assert max(opened, default=0) <= seg + 1, (seg, opened)
+
+    report = segments.scan(tmp_path, on_record, mutate=False)
+    assert report.segments == len(segs) and seen_at == list(range(len(segs))) and first_base == 0
+    assert sorted(opened) == list(range(len(segs))) and not _read_ahead_threads()
+
+    data = bytearray(segs[1][1].read_bytes())
+    data[-3] ^= 4
+    segs[1][1].write_bytes(bytes(data))
+    with pytest.raises(wal.CorruptionError):
+        segments.scan(tmp_path, lambda rec: None, mutate=True)
+    assert not _read_ahead_threads()
