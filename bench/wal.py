@@ -40,6 +40,7 @@ import numpy as np
 
 import wal
 from wal import codec
+from wal.stepgroup import MAX_ROWS
 
 from bench._device import cpu_name as device, run_meta  # noqa: E402
 from bench._device import drop_page_cache, process_cpu_s  # noqa: E402
@@ -202,10 +203,12 @@ def _steady_log(d: Path, b: int) -> "wal.TokenWAL":
     toks, lps = _step_arrays(b)
     warm = [f"warm-{k:06d}" for k in range(b)]
     pos = np.zeros(b, dtype=np.int64)
-    while w.stats()["segments"] < 2:
-        for _ in range(64):  # a commit every 64 steps: the same log, set up in less time
+    while w.stats()["segments"] < 2:  # stats() dissolves the step group: a whole group's rows between the checks,
+        for k in range(1, MAX_ROWS + 1):  # so all of the row memory the timed group takes over has been written
             w.append_step(warm, pos, toks, lps, 0)
             pos += 1
+            if k % 64 == 0:  # a commit every 64 steps: the same log, set up in less time
+                w.commit()
         w.commit()
     w.finalize_many(warm)
     w.reclaim()

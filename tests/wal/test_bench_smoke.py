@@ -53,6 +53,22 @@ def test_sqlite_steady_state_inserts_into_pages_it_freed(tmp_path):
     assert free > 0, "the timed inserts grew the database instead of reusing its free pages"
 
 
+def test_the_steady_log_has_written_every_row_the_timed_step_group_takes_over(tmp_path):
+    """A long run's step groups write over row memory its first group already wrote, so its steps fault in
+    no fresh pages; the steady log's untimed decode leaves it so: every row of the memory the timed group
+    takes over holds the warm decode's tokens."""
+    from bench.wal import _step_arrays, _steady_log
+    from wal.stepgroup import MAX_ROWS
+
+    w = _steady_log(tmp_path, 64)
+    try:
+        rows = w._store.tokens._dissolved.tok_RB
+        assert rows.shape == (MAX_ROWS, 64)
+        assert (rows == _step_arrays(64)[0]).all(axis=1).sum() == MAX_ROWS, "rows the timed steps will fault in"
+    finally:
+        w.close()
+
+
 def test_a_recovery_open_runs_in_a_new_process_and_checks_what_it_reopened(tmp_path):
     """The recovery target's open is timed first thing in a new interpreter, and a log that does not hold
     what was written fails the measurement there and here alike."""
