@@ -8,7 +8,7 @@ gRPC log service; also the per-sandbox environment log.
     log.py        Log: appends + leader/follower group commit (pwrite + fdatasync) + segment roll, poisoned on I/O error
     index.py      per-trajectory token index: contiguity, no rewrite, idempotent repeats, durable reads
     stepgroup.py  batched-decode fast path of the index: steps over the same trajectories kept as rows, merged on any other access
-    _stepc.c      that fast path's step (check, STEP frame, row copy) and merge in C; stepgroup.py runs them in Python without it
+    _stepc.c      that fast path's step (check, STEP frame, row copy; the store's whole step for TokenWAL) and merge in C; Python without it
     envindex.py   per-sandbox environment index with the same rules
     store.py      Store: log + both indexes, replay on open, retention (reclaim / compaction)
     tombstones.py finalized ids whose finalize records retention reclaimed (finalized.log), so they stay finalized

@@ -32,6 +32,10 @@ try:  # the step in one C call (wal/_stepc.c); built by `pip install` where a co
     from wal import _stepc
 except ImportError:  # pragma: no cover - exercised by tests that clear it
     _stepc = None
+# Store._step_fast in one C call, for TokenWAL.append_step (None: a module built before it, or none)
+store_step = getattr(_stepc, "step", None)
+if store_step is not None:
+    _stepc.configure(codec.FLUSH_MARK, STEP, codec.crc32c)
 
 ROW_BYTES_CAP = 32 << 20  # tokens + log-probs held per group before it is dissolved
 # Rows per group: one index block (BLOCK_TOKENS), so a group that starts block-aligned (a batch decoded from

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from wal import codec
+from wal import codec, stepgroup
 from wal.base import TokenLog
 from wal.config import WALConfig
 from wal.errors import FinalizedError
@@ -35,6 +35,12 @@ class TokenWAL(TokenLog):
                     logprobs: Sequence[float], policy_version: int) -> None:
         """One batched decode step, checked as a whole before anything is written, logged as one STEP record
         (one frame, one checksum); many times cheaper than one append per trajectory."""
+        if stepgroup.store_step is not None:  # the step group's next row: Store._step_fast in one C call
+            taken = stepgroup.store_step(self._store, traj_ids, positions, tokens, logprobs, policy_version)
+            if taken:
+                if taken == 2:  # the batch passed max_batch_bytes: written now, as _step_fast does
+                    self._store.log.commit()
+                return
         self._store.append_step(traj_ids, positions, tokens, logprobs, policy_version)
 
     def commit(self) -> int:

@@ -256,3 +256,104 @@ def test_random_steps_give_the_python_answer_or_none():
                 break
             assert fc == fp, f"trial {trial} row {r}"
             assert _state(c) == _state(py)
+
+
+def _run_steps(path, seed: int, c_step, monkeypatch) -> list[int]:
+    """A seeded decode through TokenWAL with `c_step` as the store's C step (None: the Python fast path):
+    steps as arrays and as lists, a few committed together, a batch past max_batch_bytes, steps the fast
+    paths decline (a tuple of ids, a bool or numpy version, a NaN, membership changes). Returns what each
+    step did: 0 declined, 1 logged, 2 logged and committed for the batch's size (C step only)."""
+    import wal
+
+    monkeypatch.setattr(stepgroup, "store_step", c_step)
+    taken = []
+    if c_step is not None:
+        def counting(*args):
+            taken.append(c_step(*args))
+            return taken[-1]
+        monkeypatch.setattr(stepgroup, "store_step", counting)
+    rng = np.random.default_rng(seed)
+    w = wal.open(path, wal.WALConfig(max_batch_bytes=1 << 16, segment_bytes=1 << 20))
+    ids = [f"t{k}" for k in range(int(rng.integers(100, 300)))]  # 3-8 kB frames: some batches pass 64 kB
+    pos = np.zeros(len(ids), np.int64)
+    try:
+        for s in range(300):
+            n = len(ids)
+            tok = rng.integers(0, 1 << 31, n, dtype=np.int32)
+            lp = -rng.random(n)
+            kind = rng.integers(0, 12)
+            version = s // 50
+            if kind == 0:  # a finished trajectory leaves, a new one joins: another group
+                k = int(rng.integers(0, n))
+                w.finalize(ids[k])
+                ids = ids[:k] + ids[k + 1:] + [f"n{s}"]
+                pos = np.concatenate([pos[:k], pos[k + 1:], [0]]).astype(np.int64)
+                continue
+            if kind == 1:
+                w.append_step(tuple(ids), pos, tok, lp, version)
+            elif kind == 2:
+                w.append_step(ids, pos, tok, lp, np.int64(version))
+            elif kind == 3:
+                w.append_step(ids, pos.tolist(), tok.tolist(), lp.tolist(), version)
+            elif kind == 4:
+                bad = lp.copy()
+                bad[0] = np.nan
+                with pytest.raises(codec.CodecError, match="NaN"):
+                    w.append_step(ids, pos, tok, bad, version)
+                continue
+            elif kind == 5:  # a bool is not the fast paths' version; the general path takes it as an int
+                w.append_step(ids, pos, tok, lp, True)
+            else:
+                w.append_step(list(ids), pos, tok, lp, version)
+            pos = pos + 1
+            if kind == 11:
+                w.commit()
+        w.commit()
+    finally:
+        w.close()
+    return taken
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_c_store_step_writes_the_log_the_python_fast_path_writes(tmp_path, monkeypatch, seed):
+    """TokenWAL.append_step's C step (Store._step_fast in one call) against the Python fast path: the same
+    segment files byte for byte, over a decode that takes, declines and forces commits."""
+    taken = _run_steps(tmp_path / "c", seed, stepgroup.store_step, monkeypatch)
+    _run_steps(tmp_path / "py", seed, None, monkeypatch)
+    assert taken.count(1) > 100 and 2 in taken and 0 in taken
+    c_files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert c_files == sorted(p.name for p in (tmp_path / "py").iterdir())
+    for name in c_files:
+        if (tmp_path / "c" / name).is_file() and name.endswith(".seg"):
+            assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "py" / name).read_bytes(), name
+
+
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_store_step_is_built fails)")
+def test_the_c_store_step_declines_what_is_not_the_groups_next_row(tmp_path):
+    """0, with nothing changed, for a step the Python path must take: ids not a list or not the group's,
+    a version that is not an int in 0..2^64-1, a full group, a poisoned or closed log."""
+    import wal
+
+    w = wal.open(tmp_path)
+    s = w._store
+    ids = ["a", "b", "c"]
+    tok, lp = np.array([1, 2, 3], np.int32), np.array([-1.0, -2.0, -3.0])
+    w.append_step(ids, np.zeros(3, np.int64), tok, lp, 0)  # starts the group
+    step = stepgroup.store_step
+    before = (s.log.next_lsn, s.log.batch_bytes, s.tokens.group.rows)
+    for args in ((tuple(ids), 1, 0), (["a", "b", "x"], 1, 0), (["a", "b"], 1, 0), (ids, 1, True), (ids, 1, -1),
+                 (ids, 1, 1 << 64), (ids, 1, np.int64(0)), (ids, 1, 0.0), (ids, 2, 0)):
+        got, pos = args[0], np.full(3, args[1], np.int64)
+        assert step(s, got, pos, tok, lp, args[2]) == 0, args
+        assert (s.log.next_lsn, s.log.batch_bytes, s.tokens.group.rows) == before
+    assert step(s, ids, np.ones(3, np.int64), tok, lp, (1 << 64) - 1) == 1  # the largest version
+    s.tokens.group.capacity = s.tokens.group.rows  # full
+    assert step(s, ids, np.full(3, 2, np.int64), tok, lp, 0) == 0
+    s.tokens.group.capacity = 4096
+    s.log._error = OSError("injected")
+    assert step(s, ids, np.full(3, 2, np.int64), tok, lp, 0) == 0
+    s.log._error = None
+    w.close()
+    assert step(s, ids, np.full(3, 2, np.int64), tok, lp, 0) == 0
+    assert s.log.mutex.acquire(blocking=False), "the store's mutex was left held"

@@ -17,13 +17,16 @@ def _same(a, b, ids) -> None:
         assert a.policy_versions(t) == b.policy_versions(t), t
 
 
-@pytest.fixture(params=["c", "python"])
+@pytest.fixture(params=["c", "c-row", "python"])
 def step_impl(request, monkeypatch):
-    """The group's step encoder: the C module (wal/_stepc.c) or the Python one it replaces."""
+    """The step: Store._step_fast in one C call (`stepgroup.store_step`, what TokenWAL.append_step tries
+    first), the Python _step_fast around the C row encoder, or the Python that both replace."""
     if request.param == "python":
         monkeypatch.setattr(stepgroup, "_stepc", None)
-    elif stepgroup._stepc is None:
+    elif stepgroup._stepc is None or stepgroup.store_step is None:
         pytest.fail("wal._stepc is not built: `make install` compiles it (needs a C compiler)")
+    if request.param != "c":
+        monkeypatch.setattr(stepgroup, "store_step", None)
     return request.param
 
 
@@ -117,20 +120,30 @@ def test_a_full_group_is_one_index_block():
     assert stepgroup.MAX_ROWS == BLOCK_TOKENS
 
 
-def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path, step_impl):
-    """Steps as a decode loop holds them (int32 / float64 / int64 arrays) take Store._step_fast; a bad
-    value, another dtype or shape, a numpy version or a closed log leaves it for the general path, which
-    logs or refuses exactly as it does for any other input."""
+def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path, monkeypatch, step_impl):
+    """Steps as a decode loop holds them (int32 / float64 / int64 arrays) take Store._step_fast (in one C
+    call where it is built); a bad value, another dtype or shape, a numpy version or a closed log leaves it
+    for the general path, which logs or refuses exactly as it does for any other input. The Python fast
+    path never takes a step the C one declined."""
     from wal.store import Store
 
-    fast_hits = []
+    fast_hits = []  # one per step: whether a fast path took it
+    after_c = []  # what the Python fast path did with steps the C one declined
     original = Store._step_fast
+    c_step = stepgroup.store_step
 
     def counting(self, *args):
         done = original(self, *args)
-        fast_hits.append(done)
+        (after_c if c_step is not None else fast_hits).append(done)
         return done
 
+    def c_counting(*args):
+        taken = c_step(*args)
+        fast_hits.append(bool(taken))
+        return taken
+
+    if c_step is not None:
+        monkeypatch.setattr(stepgroup, "store_step", c_counting)
     w = wal.open(tmp_path)
     Store._step_fast = counting
     try:
@@ -171,6 +184,7 @@ def test_the_numpy_fast_path_checks_what_the_general_path_checks(tmp_path, step_
         w.close()
         with pytest.raises(wal.LogClosedError):
             w.append_step(ids, pos(5), tok(5), lp(5), 1)
+        assert fast_hits[-1] is False and True not in after_c
     finally:
         Store._step_fast = original
     w = wal.open(tmp_path)
