@@ -103,7 +103,7 @@ def _batches(ctx: DrillContext, cluster, pool, faults: int) -> DrillResult:
     for b, fault in enumerate(plan):
         requests = rollout_requests(f"node-loss-b{b}", n)
         calm.update(reference_hashes(ctx, requests))
-        injector = PoolInjector([fault], seed=ctx.seed + b, kill_node=kill_node)
+        injector = PoolInjector([fault], seed=ctx.seed + b, kill_node=kill_node, mid_decode=True)
         incarnations = [pool.incarnation(k) for k in range(WORKERS)]
         t_batch = time.monotonic()
         res = pool.run(requests, injector)

@@ -56,6 +56,10 @@ class PoolInjector:
     wait_for_spare: bool = False
     spare_waits: int = 0  # rounds a kill waited for a warm spare
     kill_node: Callable[[str], None] | None = None  # node_loss: kills the Ray node with this id
+    # a fault fires only on a worker some of whose requests in flight have shown committed positions: it
+    # lands mid-decode however slowly that worker started (a loaded machine runs the gap's rounds on the
+    # others); the node-loss drill checks that the lost node held committed tokens
+    mid_decode: bool = False
     # decode steps per worker call and requests a worker holds at once while injecting (the pool takes the
     # smaller of each and its own): a fault fires between rounds, and long calls over a wide batch can finish
     # a short batch before any fault finds a request in flight
@@ -92,9 +96,10 @@ class PoolInjector:
         n = len(pool.slots)
         # a worker killed and not yet replaced is not a target: a second kill there would change nothing
         slot = next((k % n for k in range(f.slot, f.slot + n)
-                     if pool.in_flight(k % n) and self._killed.get(k % n) != pool.incarnation(k % n)), None)
+                     if pool.in_flight(k % n) and self._killed.get(k % n) != pool.incarnation(k % n)
+                     and (not self.mid_decode or any(pool.seen(t) for t in pool.in_flight(k % n)))), None)
         if slot is None:
-            return  # nothing in flight anywhere this round: the fault waits
+            return  # nothing in flight anywhere this round (or, mid_decode, nothing committed yet): the fault waits
         if self.wait_for_spare and f.kind not in PREEMPTIONS and pool.spares and pool.warm_spares() <= self._owed(pool):
             self.spare_waits += 1
             return

@@ -1,5 +1,6 @@
 """The pool injector's kill gating (pure, on a scripted pool): a kill waits for a warm spare that no earlier
-kill is due, counting kills whose death the pool has not seen yet."""
+kill is due, counting kills whose death the pool has not seen yet; with mid_decode, for a worker whose
+requests have shown committed positions."""
 from chaos.pool_faults import PoolInjector
 from chaos.schedule import Fault
 
@@ -13,6 +14,7 @@ class ScriptedPool:
         self.inc = {0: 1, 1: 1}
         self.boot: set[int] = set()
         self.killed: list[int] = []
+        self.committed = {"t0": 1, "t1": 1}  # positions each request's stream has shown
 
     # hooks
     def in_flight(self, k):
@@ -31,7 +33,7 @@ class ScriptedPool:
         self.killed.append(k)
 
     def seen(self, traj):
-        return 1
+        return self.committed[traj]
 
     def finished(self, traj):
         return False
@@ -77,3 +79,22 @@ def test_without_spares_or_the_wait_a_kill_fires_at_once():
         pool.replaced(0)
         inj(pool)
         assert pool.killed == [0, 1, 0] and inj.spare_waits == 0
+
+
+def test_mid_decode_waits_for_a_worker_that_has_shown_committed_tokens():
+    """A worker slow to start shows nothing while the gap's rounds pass on the other: the fault meant for it
+    moves to a worker mid-decode, and waits while none is."""
+    pool = ScriptedPool(spares=0)
+    pool.committed = {"t0": 0, "t1": 0}
+    inj = PoolInjector([Fault("actor_kill", 0, 1)], mid_decode=True)
+    inj(pool)  # the gap
+    inj(pool)
+    assert pool.killed == [] and inj.injected == 0  # nothing committed anywhere yet: it waits
+    pool.committed["t1"] = 3
+    inj(pool)
+    assert pool.killed == [1] and inj.events[0].trajectories == {"t1": 3}
+    pool = ScriptedPool(spares=0)
+    pool.committed = {"t0": 0, "t1": 0}
+    inj = PoolInjector([Fault("actor_kill", 0, 0)])
+    inj(pool)
+    assert pool.killed == [0]  # without it, the fault fires on the first worker holding requests
