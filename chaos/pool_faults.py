@@ -95,9 +95,7 @@ class PoolInjector:
         f = self._pending[0]
         n = len(pool.slots)
         # a worker killed and not yet replaced is not a target: a second kill there would change nothing
-        slot = next((k % n for k in range(f.slot, f.slot + n)
-                     if pool.in_flight(k % n) and self._killed.get(k % n) != pool.incarnation(k % n)
-                     and (not self.mid_decode or any(pool.seen(t) for t in pool.in_flight(k % n)))), None)
+        slot = next((k % n for k in range(f.slot, f.slot + n) if self._target(pool, k % n)), None)
         if slot is None:
             return  # nothing in flight anywhere this round (or, mid_decode, nothing committed yet): the fault waits
         if self.wait_for_spare and f.kind not in PREEMPTIONS and pool.spares and pool.warm_spares() <= self._owed(pool):
@@ -114,6 +112,13 @@ class PoolInjector:
                                       pool.incarnation(slot)))
         self._pending.popleft()
         self._wait = self._pending[0].gap if self._pending else 0
+
+    def _target(self, pool, k: int) -> bool:
+        """Whether worker k may take the next fault: it holds requests in flight (with mid_decode, some that
+        have shown committed positions) and no kill already hit this incarnation of it."""
+        held = pool.in_flight(k)
+        return (bool(held) and self._killed.get(k) != pool.incarnation(k)
+                and (not self.mid_decode or any(pool.seen(t) for t in held)))
 
     def _owed(self, pool) -> int:
         """Warm spares already due to earlier kills: workers killed whose death the pool has not seen yet (it

@@ -329,7 +329,7 @@ def test_the_c_store_step_writes_the_log_the_python_fast_path_writes(tmp_path, m
             assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "py" / name).read_bytes(), name
 
 
-@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_store_step_is_built fails)")
+@pytest.mark.skipif(_stepc is None, reason="wal._stepc not built (test_the_c_step_is_built fails)")
 def test_the_c_store_step_declines_what_is_not_the_groups_next_row(tmp_path):
     """0, with nothing changed, for a step the Python path must take: ids not a list or not the group's,
     a version that is not an int in 0..2^64-1, a full group, a poisoned or closed log."""
