@@ -211,9 +211,12 @@ def child_ray(a) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def _spawn(mode: str, a, ddir: Path, tokens: int, timeout: float, catalog: str = "sqlite") -> dict:
+def _spawn(mode: str, a, ddir: Path, tokens: int | None, timeout: float, catalog: str = "sqlite") -> dict:
+    """Run child `mode` in a process of its own; `tokens` is the dataset's size (None: a child that builds
+    none, which then gets the parent's own --tokens)."""
     cmd = [sys.executable, "-m", "bench.dataplane", "--child", mode, "--dir", str(ddir), "--n", str(a.n),
-           "--tokens", str(tokens), "--max-len", str(a.max_len), "--tokens-per-rank", str(a.tokens_per_rank),
+           "--tokens", str(a.tokens if tokens is None else tokens), "--max-len", str(a.max_len),
+           "--tokens-per-rank", str(a.tokens_per_rank),
            "--ranks", str(a.ranks), "--seed", str(a.seed), "--repeats", str(a.repeats),
            "--take-repeats", str(a.take_repeats), "--loader-repeats", str(a.loader_repeats), "--n-1m", str(a.n_1m),
            "--repeats-1m", str(a.repeats_1m), "--catalog", catalog]
@@ -437,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[dataplane bench] select + plan of {a.n_1m} trajectories on {name}", file=sys.stderr)
             d1m = scratch / f"1m-{name}"
             d1m.mkdir()
-            out["select_plan_1m"][name] = _spawn("select_plan", a, d1m, 0, 1200, catalog=catalog)
+            out["select_plan_1m"][name] = _spawn("select_plan", a, d1m, None, 1200, catalog=catalog)
             shutil.rmtree(d1m, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -502,12 +505,24 @@ def _select_plan_targets(a, out: dict) -> dict:
     return targets
 
 
+def _failed_parts(out: dict) -> list[str]:
+    """The parts of this benchmark's own code that ended in an error (Ray's shuffle, a baseline, may fail:
+    that is recorded as its result)."""
+    parts = [(f"{size} {mode}", r) for size, s in out["sizes"].items() for mode, r in s.items() if mode != "ray"]
+    parts += [(f"select + plan on {name}", r) for name, r in out.get("select_plan_1m", {}).items()]
+    return [f"{where}: {r['error']}" for where, r in parts if isinstance(r, dict) and "error" in r]
+
+
 def _finish(a, out: dict, t_start: float) -> int:
     out["load_avg_end"] = os.getloadavg()[0]
     out["wall_s"] = time.perf_counter() - t_start
     out["meta"] = run_meta(out.get("device"))
     text = json.dumps(out, indent=None if a.json else 2)
     print(text)
+    failed = _failed_parts(out)
+    if failed:  # a part that did not run is no result: nothing is written to --out
+        print("bench.dataplane: " + "; ".join(failed), file=sys.stderr)
+        return 1
     if a.out:
         Path(a.out).write_text(json.dumps(out, indent=2) + "\n")
     return 0 if "targets" in out else 1
