@@ -211,12 +211,10 @@ def child_ray(a) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"[:500]}
 
 
-def _spawn(mode: str, a, ddir: Path, tokens: int | None, timeout: float, catalog: str = "sqlite") -> dict:
-    """Run child `mode` in a process of its own; `tokens` is the dataset's size (None: a child that builds
-    none, which then gets the parent's own --tokens)."""
+def _spawn(mode: str, a, ddir: Path, tokens: int, timeout: float, catalog: str = "sqlite") -> dict:
+    """Run child `mode` in a process of its own on a dataset of `tokens` tokens."""
     cmd = [sys.executable, "-m", "bench.dataplane", "--child", mode, "--dir", str(ddir), "--n", str(a.n),
-           "--tokens", str(a.tokens if tokens is None else tokens), "--max-len", str(a.max_len),
-           "--tokens-per-rank", str(a.tokens_per_rank),
+           "--tokens", str(tokens), "--max-len", str(a.max_len), "--tokens-per-rank", str(a.tokens_per_rank),
            "--ranks", str(a.ranks), "--seed", str(a.seed), "--repeats", str(a.repeats),
            "--take-repeats", str(a.take_repeats), "--loader-repeats", str(a.loader_repeats), "--n-1m", str(a.n_1m),
            "--repeats-1m", str(a.repeats_1m), "--catalog", catalog]
@@ -440,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[dataplane bench] select + plan of {a.n_1m} trajectories on {name}", file=sys.stderr)
             d1m = scratch / f"1m-{name}"
             d1m.mkdir()
-            out["select_plan_1m"][name] = _spawn("select_plan", a, d1m, None, 1200, catalog=catalog)
+            out["select_plan_1m"][name] = _spawn("select_plan", a, d1m, a.tokens, 1200, catalog=catalog)  # builds no dataset
             shutil.rmtree(d1m, ignore_errors=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
