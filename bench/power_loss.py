@@ -4,9 +4,9 @@ data plane's put, KV snapshots and learner checkpoints; the canaries; the I/O la
 Each case's workload is recorded through core.fileio, its operation log cut at many points, and one
 seeded crash image per cut (unsynced writes dropped, kept or torn per 512-byte sector, unsynced
 directory entries there or not) recovered and checked; from a quarter of the images recovery itself
-is recorded and cut again. Then the two canaries (builds without the WAL's commit fdatasync, and
-without the directory fsync after a new segment) run the WAL case's default trials and must be
-caught, and the WAL's batched-decode step is timed against the same tree with the I/O layer bypassed.
+is recorded and cut again. Then the three canaries (builds without the WAL's commit fdatasync, with
+its direct commit write sent without RWF_DSYNC, and without the directory fsync after a new segment)
+run the WAL case's default trials and must be caught, and the WAL's batched-decode step is timed against the same tree with the I/O layer bypassed.
 
     python -m bench.power_loss --json        (or: postrain bench power-loss --json)
 """

@@ -5,7 +5,8 @@ gRPC log service; also the per-sandbox environment log.
     errors.py     GapError, ConflictError, FinalizedError, CorruptionError, LogClosedError, …
     codec.py      pure frame codec: length + CRC32C (a flush's first frame marked), encode/decode, segment header, token packing
     segments.py   segment files (preallocated, zero-filled; written through core.fileio), recovery scan (zero tail = clean end, torn last flush cut, corruption refused)
-    log.py        Log: appends + leader/follower group commit (pwrite + fdatasync) + segment roll, poisoned on I/O error
+    log.py        Log: appends + leader/follower group commit + segment roll, poisoned on I/O error
+    direct.py     DirectWriter: a commit's blocks written with O_DIRECT + RWF_DSYNC (else pwrite + fdatasync)
     index.py      per-trajectory token index: contiguity, no rewrite, idempotent repeats, durable reads
     stepgroup.py  batched-decode fast path of the index: steps over the same trajectories kept as rows, merged on any other access
     _stepc.c      that fast path's step (check, STEP frame, row copy; the store's whole step for TokenWAL) and merge in C; Python without it

@@ -9,9 +9,10 @@ share fsyncs, and a waiting committer costs one blocked lock acquire (no conditi
 notify: at 4 gRPC streams the notifications and wake-ups of a Condition were ~10% of the service's
 GIL-held time).
 
-Commit I/O: one `pwrite` of the joined batch at the write position, then `fdatasync` — the segment
-is zero-filled ahead of the write position (`preallocate_bytes` at a time, fsynced once), so a commit
-overwrites existing blocks and changes no metadata that fdatasync would have to journal. When the batch
+Commit I/O: the segment is zero-filled ahead of the write position (`preallocate_bytes` at a time,
+fsynced once), so a commit overwrites existing blocks and changes no metadata to journal. Such a commit
+is one direct, synchronous write of the blocks it touches (wal/direct.py: O_DIRECT + RWF_DSYNC, durable
+on return), or where the platform cannot, one `pwrite` of the joined batch then `fdatasync`. When the batch
 runs past the preallocated end, the next extent is zero-filled in the same flush and a full `fsync`
 makes the new size durable too. A segment that reaches the cap is sealed and the next one created
 (preallocated, see segments.py).
@@ -41,6 +42,7 @@ from typing import Callable
 
 from core import fileio
 from wal import codec, segments
+from wal.direct import DirectWriter
 from wal.errors import LockedError, LogClosedError
 from wal.segments import ScanReport
 from wal.types import Record
@@ -49,7 +51,7 @@ from wal.types import Record
 class Log:
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
                  repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20,
-                 spare_segments: bool = False, recycle_segments: bool = True):
+                 spare_segments: bool = False, recycle_segments: bool = True, direct_io: bool = True):
         self.directory = Path(directory)
         if not self.directory.exists():
             fileio.makedirs(self.directory)
@@ -73,6 +75,9 @@ class Log:
             self._alloc = os.fstat(self._fd).st_size  # zero-filled and durable up to here
             if self._pos > self._alloc or self._pos < codec.SEGMENT_HEAD_BYTES:
                 raise AssertionError(f"WAL {self.directory}: write position {self._pos} outside the segment ({self._alloc} bytes)")
+            self._active_path = self._segments[-1][1]
+            self.direct_io = direct_io and self.preallocate_bytes > 0
+            self._direct = DirectWriter.open(self._active_path, self._pos) if self.direct_io else None
         except BaseException:
             if getattr(self, "_fd", None) is not None:
                 fileio.close(self._fd)
@@ -90,9 +95,9 @@ class Log:
         self.fsyncs = 0
         self.bytes_written = 0
         self.spares_used = 0
+        self.direct_writes = 0  # flushes written by the DirectWriter
         self.segments_recycled = 0
         self.recycle_segments = recycle_segments
-        self._active_path = self._segments[-1][1]
         # the spare segment and the sealed segments still to trim, handed over under _spare_lock
         self._spare_lock = threading.Lock()
         self._spare: tuple[int, int, str] | None = None  # (fd, size, file name) of a ready spare
@@ -172,15 +177,25 @@ class Log:
             if self._pos + len(data) > self._alloc and self._pos > codec.SEGMENT_HEAD_BYTES and self._spare is not None:
                 rolled.append(self._roll(first))  # the reserve ran out and the next segment is ready: start it
             end = self._pos + len(data)
-            fileio.pwrite_all(self._fd, data, self._pos)
-            if end <= self._alloc:
-                fileio.fdatasync(self._fd)  # overwrote preallocated blocks: data only, no size change
-            else:  # past the preallocated end: reserve the next extent in the same flush, size made durable
-                alloc = max(end, min(end + self.preallocate_bytes, self.segment_bytes))
-                segments.zero_fill(self._fd, end, alloc)
-                fileio.fsync(self._fd)
-                self._alloc = alloc
-                self._want_spare()
+            direct, written = self._direct, False
+            if direct is not None and direct.fits(self._pos, len(data), self._alloc):  # preallocated blocks only
+                written = direct.write(data, self._pos)  # written and flushed in one call
+                if written:
+                    self.direct_writes += 1
+                else:  # refused by the file system: the page cache from now on
+                    self._stop_direct()
+            if not written:
+                fileio.pwrite_all(self._fd, data, self._pos)
+                if end <= self._alloc:
+                    fileio.fdatasync(self._fd)  # overwrote preallocated blocks: data only, no size change
+                else:  # past the preallocated end: reserve the next extent in the same flush, size made durable
+                    alloc = max(end, min(end + self.preallocate_bytes, self.segment_bytes))
+                    segments.zero_fill(self._fd, end, alloc)
+                    fileio.fsync(self._fd)
+                    self._alloc = alloc
+                    self._want_spare()
+                if self._direct is not None:
+                    self._direct.wrote(data, self._pos)
             self._pos = end
             if end >= self.segment_bytes:
                 rolled.append(self._roll(last + 1))
@@ -224,7 +239,16 @@ class Log:
         fileio.close(old_fd)
         self._fd, self._pos, self._alloc = fd, codec.SEGMENT_HEAD_BYTES, alloc
         self._active_path = self.directory / segments.segment_name(base)
+        if self._direct is not None:
+            self._direct.close()
+            self._direct = DirectWriter.open(self._active_path, self._pos)
         return base, self._active_path
+
+    def _stop_direct(self) -> None:
+        """The file system refused a direct write: commits go through the page cache from now on."""
+        logging.getLogger("wal").warning("WAL %s: direct writes refused; committing with pwrite + fdatasync", self.directory)
+        self._direct.close()
+        self._direct, self.direct_io = None, False
 
     # --- the helper thread: spare segments and trims, off the commit path ---
     def _want_spare(self) -> None:
@@ -328,6 +352,8 @@ class Log:
                 with self.mutex:
                     self._closed = True
             self._stop_helper()
+            if self._direct is not None:
+                self._direct.close()
             fileio.close(self._fd)
             fileio.close(self._lock_fd)
 

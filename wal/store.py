@@ -38,7 +38,8 @@ class Store:
         self._stop = threading.Event()
         self.log = Log(path, segment_bytes=self.config.segment_bytes, on_record=self._replay, repair=repair,
                        on_roll=self._reclaim_wanted.set, preallocate_bytes=self.config.preallocate_bytes,
-                       spare_segments=self.config.spare_segments, recycle_segments=self.config.recycle_segments)
+                       spare_segments=self.config.spare_segments, recycle_segments=self.config.recycle_segments,
+                       direct_io=self.config.direct_io)
         try:
             self._cuts = cuts.read(self.log.directory)
             self._finish_replay(repair)
@@ -502,7 +503,8 @@ class Store:
                 "finalized_forgotten": len(self.tokens.forgotten),  # in the tombstone file
                 "sandboxes": len(self.env.sandboxes),
                 "released_remembered": len(self.env.released),
-                "fsyncs": self.log.fsyncs,
+                "fsyncs": self.log.fsyncs,  # flushes (each one durable write: fdatasync, fsync or a direct write)
+                "direct_writes": self.log.direct_writes,  # of them, written with O_DIRECT + RWF_DSYNC
                 "bytes_written": self.log.bytes_written,
                 "reclaimed_segments": self.reclaimed_segments,
                 "recycled_segments": self.log.segments_recycled,

@@ -1,9 +1,10 @@
 """Canaries: builds with one sync removed, which the simulator must catch.
 
 A canary compiles a function again from its own source with the one line that makes a sync removed
-(replaced by `pass`), and puts it in the function's place while the trials run: the code under test
-is the real code minus that line, nothing else. Two are the targets of the power-loss benchmark
-(CANARIES); the others show that each case's properties can fail (EXTRA).
+(replaced by `pass`, or the synchronous call in it by its plain form), and puts it in the function's
+place while the trials run: the code under test is the real code minus that sync, nothing else. Three
+are the targets of the power-loss benchmark (CANARIES); the others show that each case's properties can
+fail (EXTRA).
 """
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import textwrap
 from dataclasses import dataclass
 
 
-def mutant(func, needle: str, occurrence: int | None = None):
+def mutant(func, needle: str, occurrence: int | None = None, replacement: str | None = None):
     """`func` compiled from its source without the line containing `needle`: the only one, or the
-    `occurrence`-th of several (Python indexing: -1 is the last)."""
+    `occurrence`-th of several (Python indexing: -1 is the last); with `replacement`, that line keeps
+    everything but the needle, which becomes `replacement`."""
     src = textwrap.dedent(inspect.getsource(func))
     lines = src.splitlines(keepends=True)
     hits = [i for i, line in enumerate(lines) if needle in line]
@@ -23,7 +25,10 @@ def mutant(func, needle: str, occurrence: int | None = None):
         raise AssertionError(f"{func.__qualname__}: {len(hits)} lines contain {needle!r}; a canary removes exactly one")
     i = hits[0 if occurrence is None else occurrence]
     indent = lines[i][:len(lines[i]) - len(lines[i].lstrip())]
-    lines[i] = f"{indent}pass  # canary: {needle} removed\n"
+    if replacement is None:
+        lines[i] = f"{indent}pass  # canary: {needle} removed\n"
+    else:
+        lines[i] = lines[i].rstrip("\n").replace(needle, replacement) + f"  # canary: {needle} -> {replacement}\n"
     ns: dict = {}
     exec(compile("".join(lines), inspect.getsourcefile(func), "exec"), func.__globals__, ns)  # noqa: S102
     return ns[func.__name__]
@@ -37,6 +42,7 @@ class Canary:
     needle: str
     case: str  # the case whose default trials must catch it
     occurrence: int | None = None  # which of several lines with the needle (None: it must be the only one)
+    replacement: str | None = None  # the needle replaced by this instead of its line removed
 
     def _target(self):
         import importlib
@@ -53,7 +59,7 @@ class Canary:
         """The build with the line removed, for the duration of the block."""
         obj, name = self._target()
         original = getattr(obj, name)
-        setattr(obj, name, mutant(original, self.needle, self.occurrence))
+        setattr(obj, name, mutant(original, self.needle, self.occurrence, self.replacement))
         try:
             yield
         finally:
@@ -63,6 +69,8 @@ class Canary:
 CANARIES = (
     Canary("wal_commit_fdatasync", "the WAL commit's fdatasync (a commit within the preallocated reserve)",
            "wal.log:Log._flush", "fileio.fdatasync(self._fd)", "wal"),
+    Canary("wal_commit_direct_dsync", "the RWF_DSYNC of the WAL commit's direct write (an O_DIRECT pwrite: sent, not flushed)",
+           "wal.direct:DirectWriter.write", "fileio.pwrite_sync(self.fd", "wal", replacement="fileio.pwrite(self.fd"),
     Canary("wal_segment_dir_fsync", "the directory fsync after a new segment is renamed into place (segment roll/create)",
            "wal.segments:create_segment", "fileio.fsync_dir(directory)", "wal"),
 )

@@ -83,21 +83,27 @@ def export_tree(rev: str, dest: Path) -> str:
     return commit
 
 
-# The step's I/O through the layer (wal/log.py's flush) and the same calls straight on os, for bypass_layer.
-_BYPASS = {"fileio.pwrite_all(self._fd, data, self._pos)": "os.pwrite(self._fd, data, self._pos)",
-           "fileio.fdatasync(self._fd)": "os.fdatasync(self._fd)"}
+# The step's I/O through the layer (wal/log.py's flush, wal/direct.py's direct write) and the same calls
+# straight on os, for bypass_layer.
+_BYPASS = {
+    "wal/log.py": {"fileio.pwrite_all(self._fd, data, self._pos)": "os.pwrite(self._fd, data, self._pos)",
+                   "fileio.fdatasync(self._fd)": "os.fdatasync(self._fd)"},
+    "wal/direct.py": {"fileio.pwrite_sync(self.fd, mv[:total], pos - t)": "os.pwritev(self.fd, [mv[:total]], pos - t, os.RWF_DSYNC)"},
+}
 
 
 def bypass_layer(tree: Path) -> None:
     """Rewrite an exported tree's flush to call os directly (one pwrite, as the layer's pwrite_all makes
-    when the write is whole, and fdatasync). Raises if the flush no longer reads as expected."""
-    log = tree / "wal" / "log.py"
-    text = log.read_text()
-    for through, straight in _BYPASS.items():
-        if text.count(through) != 1:
-            raise RuntimeError(f"bench.power_loss step A/B: wal/log.py no longer has exactly one {through!r}")
-        text = text.replace(through, straight)
-    log.write_text(text)
+    when the write is whole, and fdatasync; the direct write's pwritev2). Raises if the code no longer
+    reads as expected."""
+    for name, calls in _BYPASS.items():
+        path = tree / name
+        text = path.read_text()
+        for through, straight in calls.items():
+            if text.count(through) != 1:
+                raise RuntimeError(f"bench.power_loss step A/B: {name} no longer has exactly one {through!r}")
+            text = text.replace(through, straight)
+        path.write_text(text)
 
 
 class _Worker:

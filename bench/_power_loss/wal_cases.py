@@ -17,10 +17,11 @@ import numpy as np
 
 import wal
 
-# (segment_bytes, preallocate_bytes, spare_segments, recycle_segments): segments preallocated whole (every
-# roll builds a segment inline, or takes a reclaimed one), grown 1 KiB at a time (deleted once reclaimed),
-# grown and rolled into spare segments built by the helper thread or reclaimed ones
-CONFIGS = ((8192, 8192, False, True), (12288, 1024, False, False), (8192, 1024, True, True))
+# (segment_bytes, preallocate_bytes, spare_segments, recycle_segments, direct_io): segments preallocated whole
+# (every roll builds a segment inline, or takes a reclaimed one; commits written direct), grown 1 KiB at a time
+# (deleted once reclaimed; commits through the page cache), grown and rolled into spare segments built by the
+# helper thread or reclaimed ones (commits direct where their blocks lie inside the reserve, else buffered)
+CONFIGS = ((8192, 8192, False, True, True), (12288, 1024, False, False, False), (8192, 1024, True, True, True))
 
 
 def token(traj: str, pos: int) -> int:
@@ -124,9 +125,9 @@ def check_env(env, p: Promised) -> list:
 
 
 def log_config(segment_bytes: int, preallocate_bytes: int, spare_segments: bool,
-               recycle_segments: bool = True) -> wal.WALConfig:
+               recycle_segments: bool = True, direct_io: bool = True) -> wal.WALConfig:
     return wal.WALConfig(segment_bytes=segment_bytes, preallocate_bytes=preallocate_bytes, spare_segments=spare_segments,
-                         recycle_segments=recycle_segments, compact_live_fraction=0.6)
+                         recycle_segments=recycle_segments, direct_io=direct_io, compact_live_fraction=0.6)
 
 
 def tool_call(env, rec, sb: str, seq: int) -> None:

@@ -110,6 +110,10 @@ class Disk:
     def size(self, ino: int) -> int:
         return len(self.files[ino].live)
 
+    def pending(self, ino: int) -> int:
+        """The file's operations since its last sync."""
+        return len(self.files[ino].pending)
+
     def sectors_after_write(self, ino: int, offset: int, data) -> tuple:
         """Apply a write to the live bytes; the ("write", …) operation to log: whole sectors it touched."""
         live = self.files[ino].live

@@ -165,6 +165,20 @@ class Recorder:
                 self._log(self.disk.sectors_after_write(entry[0], offset, memoryview(data)[:n]))
             return n
 
+    def pwrite_sync(self, fd: int, data, offset: int) -> int:
+        """A write durable on return: the write, then the file's sync. Exact only where the file has no
+        other unsynced operation (the sync would make those durable too, which a ranged sync does not):
+        refused otherwise, before anything is written."""
+        with self._lock:
+            entry = self._tracked_fd(fd)
+            if entry is not None and self.disk.pending(entry[0]):
+                raise NotImplementedError(f"pwrite_sync on fd {fd} over unsynced operations of the same file is not modelled")
+            n = fileio.DEFAULT["pwrite_sync"](fd, data, offset)
+            if entry is not None and n:
+                self._log(self.disk.sectors_after_write(entry[0], offset, memoryview(data)[:n]))
+                self._log(("sync", entry[0]))
+            return n
+
     def fsync(self, fd: int) -> None:
         with self._lock:
             os.fsync(fd)

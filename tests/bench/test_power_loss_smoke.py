@@ -33,8 +33,9 @@ def test_the_docs_show_the_committed_figures():
 
 
 def test_the_step_ab_bypasses_exactly_the_flush_io(tmp_path):
-    """The A/B's 'before' is this tree's commit with the flush's pwrite and fdatasync straight on os; a
-    wal/log.py that no longer reads as expected is refused rather than measured unchanged."""
+    """The A/B's 'before' is this tree's commit with the flush's pwrite and fdatasync, and the direct
+    write's pwritev2, straight on os; code that no longer reads as expected is refused rather than
+    measured unchanged."""
     from bench._power_loss import step_ab
 
     step_ab.export_tree("HEAD", tmp_path / "t")
@@ -42,5 +43,7 @@ def test_the_step_ab_bypasses_exactly_the_flush_io(tmp_path):
     text = (tmp_path / "t" / "wal" / "log.py").read_text()
     assert "os.pwrite(self._fd, data, self._pos)" in text and "os.fdatasync(self._fd)" in text
     assert "fileio.pwrite_all(self._fd, data, self._pos)" not in text
+    direct = (tmp_path / "t" / "wal" / "direct.py").read_text()
+    assert "os.pwritev(self.fd, [mv[:total]], pos - t, os.RWF_DSYNC)" in direct and "fileio.pwrite_sync" not in direct
     with pytest.raises(RuntimeError, match="exactly one"):
         step_ab.bypass_layer(tmp_path / "t")  # already rewritten

@@ -1,6 +1,6 @@
 """The power-cut simulator's disk model: synced data always survives; unsynced writes are dropped, kept or
 torn at 512-byte sectors (every combination shows up); unsynced directory entries may be missing or
-there; renames and exchanges are atomic; a seed is one exact state; files a library wrote enter the
+there; a synchronous write is durable on return; renames and exchanges are atomic; a seed is one exact state; files a library wrote enter the
 model unsynced; writes through a descriptor the layer did not open are refused."""
 from __future__ import annotations
 
@@ -38,6 +38,13 @@ def write_file(path, data, sync=True):
     fileio.close(fd)
 
 
+def durable_file_open(live: Path, data: bytes) -> int:
+    """`live/f` written with `data`, synced with its name; a write descriptor of it."""
+    write_file(live / "f", data)
+    fileio.fsync_dir(live)
+    return fileio.open(live / "f", os.O_WRONLY)
+
+
 def test_synced_data_and_entries_survive_every_image(tmp_path):
     with powercut.recording(tmp_path / "live") as rec:
         write_file(tmp_path / "live" / "a", b"A" * 1500)
@@ -49,9 +56,7 @@ def test_synced_data_and_entries_survive_every_image(tmp_path):
 def test_unsynced_writes_are_dropped_kept_or_torn_per_sector(tmp_path):
     old, new = bytes([1]) * 4096, bytes([2]) * 4096
     with powercut.recording(tmp_path / "live") as rec:
-        write_file(tmp_path / "live" / "f", old)
-        fileio.fsync_dir(tmp_path / "live")
-        fd = fileio.open(tmp_path / "live" / "f", os.O_WRONLY)
+        fd = durable_file_open(tmp_path / "live", old)
         fileio.pwrite(fd, new, 0)  # not synced
         fileio.close(fd)
     seen = set()
@@ -65,6 +70,22 @@ def test_unsynced_writes_are_dropped_kept_or_torn_per_sector(tmp_path):
     assert any(1 in s and 2 in s and s.index(2) > s.index(1) for s in seen)  # torn, a later sector reached the disk
     assert any(1 in s and 2 in s and s.index(1) > s.index(2) for s in seen)
     assert len(seen) > 20
+
+
+def test_pwrite_sync_is_durable_on_return_and_refused_over_unsynced_writes(tmp_path):
+    old, new = bytes([1]) * 4096, bytes([2]) * 1024
+    with powercut.recording(tmp_path / "live") as rec:
+        fd = durable_file_open(tmp_path / "live", old)
+        assert fileio.pwrite_sync(fd, new, 1024) == 1024
+        after_sync = len(rec.ops)
+        fileio.pwrite(fd, new, 3072)  # not synced
+        with pytest.raises(NotImplementedError, match="unsynced"):  # a ranged sync over it: not modelled
+            fileio.pwrite_sync(fd, new, 0)
+        fileio.close(fd)
+    assert (tmp_path / "live" / "f").read_bytes() == old[:1024] + new + old[:1024] + new  # the refused write did not happen
+    for t in images(rec.ops, after_sync, 20, tmp_path):
+        assert t == {"f": old[:1024] + new + old[:2048]}
+    assert any(t["f"][3072:] == old[:1024] for t in images(rec.ops, len(rec.ops), 20, tmp_path, 100))
 
 
 def test_unsynced_growth_may_leave_zeros_or_a_shorter_file(tmp_path):

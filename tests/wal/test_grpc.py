@@ -311,8 +311,8 @@ def test_flusher_resolves_every_waiting_stream_after_one_flush_and_passes_errors
     lsn covering those appends, in fewer flushes than futures; a failing flush reaches every waiter as the
     log's error."""
     import asyncio
-    import os
 
+    from core import fileio
     from wal.flusher import Flusher
 
     w = wal.open(tmp_path)
@@ -328,13 +328,12 @@ def test_flusher_resolves_every_waiting_stream_after_one_flush_and_passes_errors
             got = await asyncio.gather(*(f.commit() for _ in range(5)))
             assert all(d >= last for d in got) and log.durable_lsn >= last
             assert log.fsyncs - before < 5, "the waiting commits shared a flush"
-            good = log._fd
-            log._fd = os.open(log._active_path, os.O_RDONLY)  # the next write fails: the log is poisoned
-            try:
+            def broken(fd, data, offset):
+                raise OSError(5, "Input/output error (injected)")
+
+            with fileio.using({**fileio.DEFAULT, "pwrite": broken, "pwrite_sync": broken}):  # the next write fails
                 w.append("t9", 0, [1], [-1.0], 0)
                 return await asyncio.gather(*(f.commit() for _ in range(3)), return_exceptions=True)
-            finally:
-                os.close(good)
         finally:
             f.close()
 

@@ -47,8 +47,8 @@ def test_a_reported_failure_is_reproduced_exactly(tmp_path):
 
 
 def test_the_workload_covers_every_segment_configuration():
-    got = [(TokenCase().config(s).spare_segments, TokenCase().config(s).recycle_segments) for s in DEFAULT_TRIALS["wal"]["seeds"]]
-    assert got == [(c[2], c[3]) for c in CONFIGS]
+    cfgs = [TokenCase().config(s) for s in DEFAULT_TRIALS["wal"]["seeds"]]
+    assert [(c.spare_segments, c.recycle_segments, c.direct_io) for c in cfgs] == [c[2:] for c in CONFIGS]
 
 
 def _flush_of_three(path, commit_between: bool):

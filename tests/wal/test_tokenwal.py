@@ -252,6 +252,7 @@ def test_failed_fsync_poisons_the_log_and_reopen_recovers(tmp_path, monkeypatch)
 
     monkeypatch.setattr(fileio, "fsync", broken)
     monkeypatch.setattr(fileio, "fdatasync", broken)  # commits within the preallocated reserve use fdatasync
+    monkeypatch.setattr(fileio, "pwrite_sync", lambda fd, data, offset: broken(fd))  # or a direct write
     w.append("t", 2, [3], [-3.0], 0)
     with pytest.raises(wal.LogClosedError, match="injected"):
         w.commit()
