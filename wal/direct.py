@@ -39,6 +39,11 @@ def _round_up(n: int) -> int:
     return -(-n // BLOCK) * BLOCK
 
 
+def _aligned(size: int) -> mmap.mmap:
+    """Page-aligned memory of `size` bytes, private to this process (a fork gets its own copy)."""
+    return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
 class DirectWriter:
     """The O_DIRECT descriptor of one segment file, its aligned staging buffer and its tail."""
 
@@ -46,7 +51,7 @@ class DirectWriter:
 
     def __init__(self, fd: int, tail: bytes):
         self.fd, self.tail = fd, tail
-        self._buf = mmap.mmap(-1, 1 << 20)  # page-aligned; grown for larger batches
+        self._buf = _aligned(1 << 20)  # grown for larger batches
         self._mv = memoryview(self._buf)
         self.writes = 0
 
@@ -90,7 +95,7 @@ class DirectWriter:
         end = t + n
         total = _round_up(end)
         if total > len(self._buf):
-            self._buf = mmap.mmap(-1, _round_up(total + (1 << 20)))
+            self._buf = _aligned(_round_up(total + (1 << 20)))
             self._mv = memoryview(self._buf)
         mv = self._mv
         mv[:t] = tail
