@@ -5,8 +5,9 @@ recycled segment's). A buffered `pwrite` + `fdatasync` copies the bytes into the
 the dirty pages back and flushes the device: two calls, page-cache bookkeeping and write-back on the
 commit path. On the same blocks, one `pwritev2(RWF_DSYNC)` through an `O_DIRECT` descriptor does the
 write and the flush of its range in one call, with no dirty page (where the device takes FUA writes, no
-flush of its whole cache either); measured on a virtio disk (2-core AMD EPYC, ext4), 1.7-1.8x the steps/s
-of pwrite + fdatasync at 6-17 kB per commit.
+flush of its whole cache either). Measured on a virtio disk (2-core AMD EPYC, ext4): 1.16x the steps/s of
+pwrite + fdatasync at 6-17 kB per commit timed alone, 0.99-1.13x between the WAL benchmark's other modes,
+and a committer's CPU per 17 kB step 161 -> 102 us (docs/wal.md).
 
 O_DIRECT moves whole blocks (BLOCK bytes, aligned in the file and in memory), so each write starts at the
 block holding the write position and ends at a block boundary: the writer keeps the bytes of that
@@ -47,13 +48,12 @@ def _aligned(size: int) -> mmap.mmap:
 class DirectWriter:
     """The O_DIRECT descriptor of one segment file, its aligned staging buffer and its tail."""
 
-    __slots__ = ("fd", "tail", "_buf", "_mv", "writes")
+    __slots__ = ("fd", "tail", "_buf", "_mv")
 
     def __init__(self, fd: int, tail: bytes):
         self.fd, self.tail = fd, tail
         self._buf = _aligned(1 << 20)  # grown for larger batches
         self._mv = memoryview(self._buf)
-        self.writes = 0
 
     @classmethod
     def open(cls, path: Path, pos: int) -> DirectWriter | None:
@@ -109,7 +109,6 @@ class DirectWriter:
             raise
         if done != total:  # a direct write is not expected to come back short; nothing past `done` is promised
             raise OSError(errno.EIO, f"direct write of {total} bytes wrote {done}")
-        self.writes += 1
         keep = (pos + n) % BLOCK
         self.tail = bytes(mv[end - keep:end])
         return True
