@@ -76,8 +76,8 @@ class Log:
             if self._pos > self._alloc or self._pos < codec.SEGMENT_HEAD_BYTES:
                 raise AssertionError(f"WAL {self.directory}: write position {self._pos} outside the segment ({self._alloc} bytes)")
             self._active_path = self._segments[-1][1]
-            self.direct_io = direct_io and self.preallocate_bytes > 0
-            self._direct = DirectWriter.open(self._active_path, self._pos) if self.direct_io else None
+            # None: commits through the page cache (switched off, no reserve to write into, or not available here)
+            self._direct = DirectWriter.open(self._active_path, self._pos) if direct_io and preallocate_bytes > 0 else None
         except BaseException:
             if getattr(self, "_fd", None) is not None:
                 fileio.close(self._fd)
@@ -248,7 +248,7 @@ class Log:
         """The file system refused a direct write: commits go through the page cache from now on."""
         logging.getLogger("wal").warning("WAL %s: direct writes refused; committing with pwrite + fdatasync", self.directory)
         self._direct.close()
-        self._direct, self.direct_io = None, False
+        self._direct = None
 
     # --- the helper thread: spare segments and trims, off the commit path ---
     def _want_spare(self) -> None:
