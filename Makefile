@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install run test test-slow sandbox-deps
 
-$(STAMP): pyproject.toml wal/_stepc.c rollout/_kvread.c
+$(STAMP): pyproject.toml wal/_stepc.c wal/_commitc.c rollout/_kvread.c
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"

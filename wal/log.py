@@ -47,6 +47,11 @@ from wal.errors import LockedError, LogClosedError
 from wal.segments import ScanReport
 from wal.types import Record
 
+try:  # Log.commit in one C call (wal/_commitc.c); built by `pip install` where a compiler is, else the Python below
+    from wal import _commitc
+except ImportError:
+    _commitc = None
+
 
 class Log:
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
@@ -152,6 +157,10 @@ class Log:
     # --- group commit ---
     def commit(self, upto: int | None = None) -> int:
         """Block until every record appended before this call (or up to lsn `upto`) is durable."""
+        if upto is None and _commitc is not None:  # the same steps in C (wal/_commitc.c); None: not its case
+            durable = _commitc.commit(self, fileio.pwrite_sync)
+            if durable is not None:
+                return durable
         # Read without the mutex: each read is of one int, and the durable lsn only grows, so a durable lsn
         # seen at or past the target stays so (a stale one only sends us to the flush lock below).
         target = self._next_lsn - 1 if upto is None else upto
@@ -200,9 +209,7 @@ class Log:
             if end >= self.segment_bytes:
                 rolled.append(self._roll(last + 1))
         except BaseException as exc:
-            with self.mutex:
-                self._error = exc
-            raise LogClosedError(f"WAL {self.directory}: write/fsync failed: {exc}") from exc
+            self._flush_failed(exc)
         with self.mutex:
             self.fsyncs += 1
             self.bytes_written += len(data)
@@ -210,6 +217,12 @@ class Log:
             self._durable_lsn = last
         if rolled and self._on_roll is not None:
             self._on_roll()
+
+    def _flush_failed(self, exc: BaseException) -> None:
+        """A flush failed past the point where its batch was taken: poison the log and raise."""
+        with self.mutex:
+            self._error = exc
+        raise LogClosedError(f"WAL {self.directory}: write/fsync failed: {exc}") from exc
 
     def _roll(self, base: int) -> tuple[int, Path]:
         """Seal the active segment at the write position and start the segment `base` (holding the flush

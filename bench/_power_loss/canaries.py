@@ -66,11 +66,23 @@ class Canary:
             setattr(obj, name, original)
 
 
+def _direct_write_canary() -> Canary:
+    """The RWF_DSYNC of the direct commit where the log sends it: the write function Log.commit hands
+    wal/_commitc.c where that is built, else DirectWriter.write's call."""
+    from wal import log
+
+    what = "the RWF_DSYNC of the WAL commit's direct write (an O_DIRECT pwrite: sent, not flushed)"
+    if log._commitc is not None:
+        return Canary("wal_commit_direct_dsync", what, "wal.log:Log.commit", "_commitc.commit(self, fileio.pwrite_sync)",
+                      "wal", replacement="_commitc.commit(self, fileio.pwrite)")
+    return Canary("wal_commit_direct_dsync", what, "wal.direct:DirectWriter.write", "fileio.pwrite_sync(self.fd", "wal",
+                  replacement="fileio.pwrite(self.fd")
+
+
 CANARIES = (
     Canary("wal_commit_fdatasync", "the WAL commit's fdatasync (a commit within the preallocated reserve)",
            "wal.log:Log._flush", "fileio.fdatasync(self._fd)", "wal"),
-    Canary("wal_commit_direct_dsync", "the RWF_DSYNC of the WAL commit's direct write (an O_DIRECT pwrite: sent, not flushed)",
-           "wal.direct:DirectWriter.write", "fileio.pwrite_sync(self.fd", "wal", replacement="fileio.pwrite(self.fd"),
+    _direct_write_canary(),
     Canary("wal_segment_dir_fsync", "the directory fsync after a new segment is renamed into place (segment roll/create)",
            "wal.segments:create_segment", "fileio.fsync_dir(directory)", "wal"),
 )

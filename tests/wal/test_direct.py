@@ -1,7 +1,8 @@
 """Direct commits (wal/direct.py): a log committing with O_DIRECT + RWF_DSYNC leaves the bytes a log
 committing with pwrite + fdatasync leaves, across block boundaries, extents, rolls and reopens; over a
 recycled segment it recovers every record; a file system that refuses direct writes sends the log back
-to the page cache with nothing lost; the switch turns it off."""
+to the page cache with nothing lost; the switch turns it off. Each test runs with the commit in C
+(wal/_commitc.c, where it is built) and in Python."""
 from __future__ import annotations
 
 import errno
@@ -14,8 +15,20 @@ import pytest
 
 import wal
 from core import fileio
+from wal import log as wal_log
 from wal import segments
 from wal.direct import BLOCK, DirectWriter
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def commit_path(request, monkeypatch):
+    """The commit in C (skipped where it is not built) or in Python (the C module set aside)."""
+    if request.param == "c":
+        if wal_log._commitc is None:
+            pytest.skip("wal._commitc is not built here")
+    else:
+        monkeypatch.setattr(wal_log, "_commitc", None)
+    return request.param
 
 
 def _direct_here(tmp_path: Path) -> None:
@@ -179,4 +192,47 @@ def test_the_switch_and_a_file_system_without_o_direct(tmp_path):
         w.close()
     w = wal.open(tmp_path / "nodirect")
     assert w.tokens("t") == [1]
+    w.close()
+
+
+def test_a_short_direct_write_poisons_the_log_and_reopen_recovers(tmp_path):
+    _direct_here(tmp_path)
+
+    def short(fd, data, offset):
+        return fileio.DEFAULT["pwrite_sync"](fd, memoryview(data)[:BLOCK], offset) if len(data) > BLOCK else 0
+
+    w = wal.open(tmp_path / "w")
+    w.append("t", 0, [1], [-1.0], 0)
+    w.commit()
+    with fileio.using({**fileio.DEFAULT, "pwrite_sync": short}):
+        w.append("t", 1, list(range(2, 800)), [-2.0] * 798, 0)  # ~9.6 kB: one block of three written
+        with pytest.raises(wal.LogClosedError, match="wrote|short"):
+            w.commit()
+    with pytest.raises(wal.LogClosedError):
+        w.commit()
+    w.close()
+    w = wal.open(tmp_path / "w")
+    assert w.tokens("t") == [1]  # the torn frame is cut at recovery
+    w.close()
+
+
+def test_the_commit_path_in_use(tmp_path, monkeypatch, commit_path):
+    """In C a commit into the reserve does not go through Log._flush; a commit past it does (in both)."""
+    _direct_here(tmp_path)
+    calls = []
+    flush = wal_log.Log._flush
+    monkeypatch.setattr(wal_log.Log, "_flush", lambda self, frames, last: (calls.append(last), flush(self, frames, last)))
+    w = wal.open(tmp_path / "w", wal.WALConfig(preallocate_bytes=16 << 10))
+    for k in range(4):
+        w.append("t", k, [k], [-1.0], 0)
+        assert w.commit() == k
+    assert len(calls) == (0 if commit_path == "c" else 4)
+    w.append("t", 4, list(range(5000)), [-1.0] * 5000, 0)  # 60 kB: past the 16 KiB reserve, the file grows
+    w.commit()
+    assert len(calls) == (1 if commit_path == "c" else 5)
+    s = w.stats()
+    assert s["direct_writes"] == 4 and s["fsyncs"] == 5, s
+    w.close()
+    w = wal.open(tmp_path / "w")
+    assert w.length("t") == 5004
     w.close()
