@@ -54,6 +54,14 @@ except ImportError:
 
 
 class Log:
+    # slots: the commit paths in C read and write these attributes on every step; a slot is a fixed offset in
+    # the object, where an instance dict costs a hash lookup in memory the write's wait has cooled
+    __slots__ = ("directory", "_lock_fd", "segment_bytes", "preallocate_bytes", "report", "_segments", "_fd", "_pos",
+                 "_alloc", "_active_path", "_direct", "mutex", "_flush_lock", "_on_roll", "_batch", "_batch_bytes",
+                 "_next_lsn", "_durable_lsn", "_error", "_closed", "fsyncs", "bytes_written", "spares_used",
+                 "direct_writes", "segments_recycled", "recycle_segments", "_spare_lock", "_spare", "_spare_wanted",
+                 "_trims", "_helper_stop", "_helper_wake", "_helper")
+
     def __init__(self, directory: str | Path, *, segment_bytes: int, on_record: Callable[[Record], None],
                  repair: bool = False, on_roll: Callable[[], None] | None = None, preallocate_bytes: int = 1 << 20,
                  spare_segments: bool = False, recycle_segments: bool = True, direct_io: bool = True):
