@@ -187,8 +187,15 @@ static PyObject *flush(PyObject *log, PyObject *pw, PyObject *frames, long long 
     }
     memset(p + stop, 0, total - stop);
     if ((fd = PyObject_GetAttr(direct, s_fd)) == NULL
-        || (mv = PyMemoryView_FromMemory(p, total, PyBUF_READ)) == NULL || (off = PyLong_FromLongLong(pos - t)) == NULL)
+        || (mv = PyMemoryView_FromObject(buf)) == NULL || (off = PyLong_FromLongLong(pos - t)) == NULL)
         goto out;
+    { /* buf[:total] as DirectWriter.write hands it over: a view that holds the mapping, whoever keeps it */
+        PyObject *whole = mv;
+        mv = PySequence_GetSlice(whole, 0, total);
+        Py_DECREF(whole);
+        if (mv == NULL)
+            goto out;
+    }
     {
         PyObject *argv[3] = {fd, mv, off};
         done = PyObject_Vectorcall(pw, argv, 3, NULL);

@@ -236,3 +236,26 @@ def test_the_commit_path_in_use(tmp_path, monkeypatch, commit_path):
     w = wal.open(tmp_path / "w")
     assert w.length("t") == 5004
     w.close()
+
+
+def test_a_write_kept_by_the_backend_stays_readable_after_the_log_closes(tmp_path):
+    """The bytes handed to pwrite_sync are a view that holds the staging buffer: a backend that keeps it
+    (as a recorder might) reads what was written after the writer has let the buffer go."""
+    _direct_here(tmp_path)
+    kept = []
+
+    def keep(fd, data, offset):
+        kept.append((data, bytes(data)))
+        return fileio.DEFAULT["pwrite_sync"](fd, data, offset)
+
+    w = wal.open(tmp_path / "w")
+    with fileio.using({**fileio.DEFAULT, "pwrite_sync": keep}):
+        for k in range(3):
+            w.append("t", k, [k + 1], [-1.0], 0)
+            w.commit()
+    w.close()
+    del w
+    import gc
+
+    gc.collect()
+    assert len(kept) == 3 and all(bytes(view[:len(copy)]) == copy for view, copy in kept[-1:])
