@@ -7,6 +7,7 @@ gRPC log service; also the per-sandbox environment log.
     segments.py   segment files (preallocated, zero-filled; written through core.fileio), recovery scan (zero tail = clean end, torn last flush cut, corruption refused)
     log.py        Log: appends + leader/follower group commit + segment roll, poisoned on I/O error
     direct.py     DirectWriter: a commit's blocks written with O_DIRECT + RWF_DSYNC (else pwrite + fdatasync)
+    _commitc.c    Log.commit's common case (a direct write into the reserve) in one C call; Python without it
     index.py      per-trajectory token index: contiguity, no rewrite, idempotent repeats, durable reads
     stepgroup.py  batched-decode fast path of the index: steps over the same trajectories kept as rows, merged on any other access
     _stepc.c      that fast path's step (check, STEP frame, row copy; the store's whole step for TokenWAL) and merge in C; Python without it

@@ -12,9 +12,10 @@ GIL-held time).
 Commit I/O: the segment is zero-filled ahead of the write position (`preallocate_bytes` at a time,
 fsynced once), so a commit overwrites existing blocks and changes no metadata to journal. Such a commit
 is one direct, synchronous write of the blocks it touches (wal/direct.py: O_DIRECT + RWF_DSYNC, durable
-on return), or where the platform cannot, one `pwrite` of the joined batch then `fdatasync`. When the batch
-runs past the preallocated end, the next extent is zero-filled in the same flush and a full `fsync`
-makes the new size durable too. A segment that reaches the cap is sealed and the next one created
+on return), or where the platform cannot, one `pwrite` of the joined batch then `fdatasync`. The direct
+case with no roll is one C call where wal/_commitc.c is built (the same steps; anything else goes to
+`_flush`). When the batch runs past the preallocated end, the next extent is zero-filled in the same
+flush and a full `fsync` makes the new size durable too. A segment that reaches the cap is sealed and the next one created
 (preallocated, see segments.py).
 
 Spare segments (`spare_segments`, off by default): once a segment has grown past its first extent, a
