@@ -87,15 +87,19 @@ def export_tree(rev: str, dest: Path) -> str:
 # straight on os, for bypass_layer.
 _BYPASS = {
     "wal/log.py": {"fileio.pwrite_all(self._fd, data, self._pos)": "os.pwrite(self._fd, data, self._pos)",
-                   "fileio.fdatasync(self._fd)": "os.fdatasync(self._fd)"},
+                   "fileio.fdatasync(self._fd)": "os.fdatasync(self._fd)",
+                   # the C commit's write (wal/_commitc.c calls the function it is handed)
+                   "_commitc.commit(self, fileio.pwrite_sync)": "_commitc.commit(self, _pwritev_dsync)",
+                   "    _commitc = None\n": "    _commitc = None\n\n\ndef _pwritev_dsync(fd, data, offset):\n"
+                                           "    return os.pwritev(fd, [data], offset, os.RWF_DSYNC)\n"},
     "wal/direct.py": {"fileio.pwrite_sync(self.fd, mv[:total], pos - t)": "os.pwritev(self.fd, [mv[:total]], pos - t, os.RWF_DSYNC)"},
 }
 
 
 def bypass_layer(tree: Path) -> None:
     """Rewrite an exported tree's flush to call os directly (one pwrite, as the layer's pwrite_all makes
-    when the write is whole, and fdatasync; the direct write's pwritev2). Raises if the code no longer
-    reads as expected."""
+    when the write is whole, and fdatasync; the direct write's pwritev2, in Python and as the C commit's
+    write function). Raises if the code no longer reads as expected."""
     for name, calls in _BYPASS.items():
         path = tree / name
         text = path.read_text()
@@ -143,8 +147,9 @@ def measure(b: int = 512, rounds: int = 10, chunks: int = 40, chunk: int = 20, d
         commit = export_tree(rev or "HEAD", base / "before")
         if rev is None:
             bypass_layer(base / "before")
-            for built in (ROOT / "wal").glob("_stepc*.so"):  # the same compiled step on both sides
-                shutil.copy2(built, base / "before" / "wal" / built.name)
+            for pattern in ("_stepc*.so", "_commitc*.so"):  # the same compiled step and commit on both sides
+                for built in (ROOT / "wal").glob(pattern):
+                    shutil.copy2(built, base / "before" / "wal" / built.name)
         for _ in range(rounds):  # fresh processes each round: a process's own luck (placement, layout) averages out
             before, after = _Worker(base / "before", base, b, chunk), _Worker(ROOT, base, b, chunk)
             try:
