@@ -15,8 +15,8 @@ is one direct, synchronous write of the blocks it touches (wal/direct.py: O_DIRE
 on return), or where the platform cannot, one `pwrite` of the joined batch then `fdatasync`. The direct
 case with no roll is one C call where wal/_commitc.c is built (the same steps; anything else goes to
 `_flush`). When the batch runs past the preallocated end, the next extent is zero-filled in the same
-flush and a full `fsync` makes the new size durable too. A segment that reaches the cap is sealed and the next one created
-(preallocated, see segments.py).
+flush and a full `fsync` makes the new size durable too. A segment that reaches the cap is sealed and
+the next one created (preallocated, see segments.py).
 
 Spare segments (`spare_segments`, off by default): once a segment has grown past its first extent, a
 helper thread zero-fills the next segment file whole (`segment_bytes`) off the commit path. A flush
